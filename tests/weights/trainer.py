@@ -1,10 +1,14 @@
-"""A trainer process for the weight-sync tests: push a Hugging Face model's weights into a fleet.
+"""A trainer process for the weight-sync tests: push a Hugging Face checkpoint's weights into a fleet.
 
 ``python trainer.py ADDRESS MODEL_DIR EPOCH BUCKET_BYTES [--die-after-bucket N]`` (the fleet secret in
 ``$MEGATRON_SERVE_TOKEN``) prints one JSON line (the acknowledgement, or the error) and exits 0 when the fleet acknowledged. With
 ``--die-after-bucket N`` it kills itself (SIGKILL, like a crashed trainer) right after bucket N left; with
 ``--hold-after-bucket N`` it stops sending there, alive, until killed (the moment a partition test cuts its link).
 ``--timeout S`` is the transfer's time-out (``WeightSender``'s).
+
+The weights are the checkpoint's tensors as float32, by the names a ``transformers`` model's ``named_parameters()``
+gives them (a tiny model's file holds exactly those): read straight from the file, since importing transformers
+and building its model cost each trainer process ~4 s of CPU, more than the transfer.
 """
 
 from __future__ import annotations
@@ -15,16 +19,23 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
 from megatron_serve import WeightSender, WeightTransferError
 
 
+def named_weights(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, float32 (as ``from_pretrained(dtype=torch.float32)``)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    return [(name, tensor.float()) for path in files for name, tensor in load_file(path).items()]
+
+
 async def main(args: argparse.Namespace) -> int:
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    weights = named_weights(args.model)
 
     def on_bucket(index: int, count: int, nbytes: int) -> None:
         print(json.dumps({"bucket": index + 1, "of": count}), flush=True)
@@ -38,7 +49,7 @@ async def main(args: argparse.Namespace) -> int:
         sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket,
                               timeout=args.timeout)
         try:
-            ack = await sender.send(model.named_parameters(), epoch=args.epoch)
+            ack = await sender.send(weights, epoch=args.epoch)
         except (ControlError, WeightTransferError) as exc:
             print(json.dumps({"error": str(exc)}), flush=True)
             return 1
