@@ -137,10 +137,12 @@ def test_prefixes_come_back_from_the_host_tier_bitwise_a_control_finds_few_a_ref
 @pytest.fixture(scope="module")
 def kept(tiny_model, tmp_path_factory) -> Iterator[SimpleNamespace]:
     """A fleet with a host tier and room for a long stream (64 blocks: the last --num-kv-blocks given wins);
-    ``generated`` counts the tokens its tests asked for, which its ``/metrics`` reach once the engine reported them."""
+    ``generated`` counts the tokens its tests asked for, which its ``/metrics`` reach once the engine reported them;
+    ``references`` holds uninterrupted completions (:func:`reference`)."""
     with fleet(tiny_model, tmp_path_factory.mktemp("keep-kv"), "--kv-offloading-size", "0.01",
                "--num-kv-blocks", "64") as served:
         served.generated = 0
+        served.references = {}
         yield served
 
 
@@ -180,13 +182,34 @@ def computed(served: SimpleNamespace, more: int = 0) -> float:
     return metric(counters_after(served, served.generated), "megatron_serve_engine_computed_tokens")
 
 
+STREAMED = [random.Random(9).randrange(5, 500) for _ in range(40)]
+"""The prompt the streams through the verbs continue (600 tokens): an uninterrupted completion of it is made once."""
+
+
+def reference(served: SimpleNamespace, prompt: list[int], max_tokens: int) -> dict:
+    """An uninterrupted completion of ``prompt`` (greedy, batch-invariant: the same every time it is asked), made once
+    per fleet (600 tokens of decode fewer for each test that compares against it again)."""
+    key = (tuple(prompt), max_tokens)
+    if key not in served.references:
+        served.references[key] = complete(served, prompt, max_tokens)
+        served.generated += max_tokens
+    return served.references[key]
+
+
+def reset_prefix_cache(served: SimpleNamespace) -> None:
+    """vLLM's ``/reset_prefix_cache``: a prompt seen before is found in no tier, and computed whole again."""
+    answer = served.http.post("/reset_prefix_cache", headers=ADMIN)
+    assert answer.status_code == 200 and answer.json() == {"success": True}
+
+
 def test_a_stream_through_pause_suspend_keep_kv_resume_unpause_computes_nothing_twice(kept):
-    rng = random.Random(9)
-    fresh = [[rng.randrange(5, 500) for _ in range(40)] for _ in range(2)]  # never seen: no prefix to find
     tokens = 600
+    reset_prefix_cache(kept)  # no prefix to find for the uninterrupted completion
     start = computed(kept)
-    uninterrupted = complete(kept, fresh[0], tokens)
+    uninterrupted = complete(kept, STREAMED, tokens)
+    kept.references[(tuple(STREAMED), tokens)] = uninterrupted
     after_first = computed(kept, tokens)
+    reset_prefix_cache(kept)  # nor for the stream: it computes what the uninterrupted one did
 
     acks: dict[str, dict] = {}
 
@@ -197,24 +220,21 @@ def test_a_stream_through_pause_suspend_keep_kv_resume_unpause_computes_nothing_
         acks["resume"] = admin(kept, "resume")
         acks["unpause"] = admin(kept, "unpause")
 
-    text, log_probs = stream_through_the_verbs(kept, fresh[1], tokens, verbs)
+    text, log_probs = stream_through_the_verbs(kept, STREAMED, tokens, verbs)
     assert acks["suspend"]["state"] == "SUSPENDED" and acks["unpause"]["state"] == "RUNNING"
     assert sum(e.get("kept_kv_bytes", 0) for e in acks["suspend"]["detail"]["engines"].values()) > 0
     assert acks["in_flight"] == 1  # the stream was paused in flight, not finished
     after_second = computed(kept, tokens)
     assert after_second - after_first == after_first - start  # the same work as an uninterrupted request
-    reference = complete(kept, fresh[1], tokens)  # the same prompt again, uninterrupted
-    kept.generated += tokens
-    assert (text, log_probs) == choice(reference)
+    assert (text, log_probs) == choice(uninterrupted)  # the same prompt, uninterrupted
     assert len(log_probs) == uninterrupted["usage"]["completion_tokens"] == tokens
 
 
 def test_a_refit_between_suspend_with_keep_kv_and_resume_recomputes_the_stream_s_context(kept):
     """``--kv-on-refit recompute`` (the default): the kept KV is the old epoch's, so the stream's context (its prompt
     and every token it had) is computed again; the same weights come back, so its text is an uninterrupted one's."""
-    rng = random.Random(10)
-    prompt = [rng.randrange(5, 500) for _ in range(40)]
-    tokens = 600
+    prompt, tokens = STREAMED, 600
+    reset_prefix_cache(kept)  # the stream finds no prefix of it (another test may have sent it)
     start = computed(kept)
 
     def verbs() -> None:
@@ -226,9 +246,7 @@ def test_a_refit_between_suspend_with_keep_kv_and_resume_recomputes_the_stream_s
 
     text, _ = stream_through_the_verbs(kept, prompt, tokens, verbs)
     interrupted = computed(kept, tokens) - start
-    reference = complete(kept, prompt, tokens)
-    kept.generated += tokens
-    assert text == choice(reference)[0]
+    assert text == choice(reference(kept, prompt, tokens))[0]
     assert interrupted >= (len(prompt) + tokens - 1) + len(prompt)  # the prompt at least once more, the new epoch's
 
 
