@@ -18,6 +18,9 @@ from megatron_serve.model.tiny import make_tiny_model
 
 from ..jit_variants import recorded_variants
 from ..prompts import PROMPTS
+from ..triton_interpreter import install
+
+install()  # the interpreted kernels' jit helpers without a language re-patch per call
 
 
 @pytest.mark.parametrize("sms, kv_heads, block_size", [(132, 8, 64), (78, 2, 16), (114, 1, 64), (16, 4, 16)])

@@ -19,7 +19,10 @@ if not torch.cuda.is_available():  # before triton: CPU tensors go through the i
 from megatron_kernels import triton_invariant_attention  # noqa: E402
 from megatron_serve.model.attention import PagedAttention  # noqa: E402
 
+from ..triton_interpreter import install  # noqa: E402
 from .runs import Setup, differing, run_target  # noqa: E402
+
+install()  # the kernel's tl.sum and tl.max without a language re-patch per call
 
 
 def _kernel_attention(self: PagedAttention, q: torch.Tensor, context, k_cache: torch.Tensor, v_cache: torch.Tensor,
