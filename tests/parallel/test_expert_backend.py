@@ -152,15 +152,22 @@ def test_low_latency_buffers_hold_a_ranks_chunk_in_multiples_of_four():
 
 
 AGREE = """
+import os
 import sys
 import torch
 import torch.distributed as dist
 from megatron_serve.engine.expert_backend import agree_on_backend
+from tests.parallel.forked_ranks import fork_ranks
 
-rank, backend = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
-print(*agree_on_backend(backend, "auto: here", None, torch.device("cpu")), sep="|")
-dist.destroy_process_group()
+def agree(group, port, rank, backend):
+    os.environ.update(MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
+    print(group, rank, *agree_on_backend(backend, "auto: here", None, torch.device("cpu")), sep="|", flush=True)
+    dist.destroy_process_group()
+
+# argv: each group's "port backend,backend"; every rank a child forked from this process (one import of torch)
+groups = [(group, *arg.split(" ")) for group, arg in enumerate(sys.argv[1:])]
+sys.exit(fork_ranks(agree, [(g, port, r, b) for g, port, backends in groups for r, b in enumerate(backends.split(","))]))
 """
 
 
@@ -168,21 +175,26 @@ def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
     """Issue 65: each rank resolved ``auto`` alone, so a rank where deep_ep imports beside one where it cannot would
     pick different backends and wait in dispatches the other never joins. Two real processes over gloo: one able,
     one not: both run alltoall; both able: both keep DeepEP."""
+    import contextlib  # noqa: PLC0415
     import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
 
     from ..helpers import hosted_rendezvous  # noqa: PLC0415
 
-    for backends, agreed in ((("deepep_low_latency", "alltoall"), "alltoall"),
-                             (("deepep_low_latency", "deepep_low_latency"), "deepep_low_latency")):
-        with hosted_rendezvous(2) as meeting:
-            ranks = [subprocess.Popen([sys.executable, "-c", AGREE, str(rank), backend], text=True,
-                                      stdout=subprocess.PIPE, env={**os.environ, **meeting, "RANK": str(rank),
-                                                                   "WORLD_SIZE": "2"})
-                     for rank, backend in enumerate(backends)]
-            outs = [proc.communicate(timeout=120)[0].strip().split("|") for proc in ranks]
-        assert [proc.returncode for proc in ranks] == [0, 0]
-        assert [backend for backend, _ in outs] == [agreed, agreed], outs
+    groups = [(("deepep_low_latency", "alltoall"), "alltoall"),
+              (("deepep_low_latency", "deepep_low_latency"), "deepep_low_latency")]
+    with contextlib.ExitStack() as stores:  # each group meets at a store of its own, hosted here
+        meetings = [stores.enter_context(hosted_rendezvous(2)) for _ in groups]
+        proc = subprocess.run([sys.executable, "-c", AGREE, *(f"{meeting['MASTER_PORT']} {','.join(backends)}"
+                                                               for meeting, (backends, _) in zip(meetings, groups))],
+                              text=True, stdout=subprocess.PIPE, timeout=120, cwd=Path(__file__).resolve().parents[2],
+                              env={**os.environ, **meetings[0]})
+    assert proc.returncode == 0
+    outs = {(int(group), int(rank)): rest for group, rank, *rest in (line.split("|") for line in proc.stdout.split("\n")
+                                                                     if line)}
+    for index, (_, agreed) in enumerate(groups):
+        assert [outs[index, rank][0] for rank in range(2)] == [agreed, agreed], outs
         if agreed == "alltoall":
-            assert outs[0][1] == "auto: another rank of the group cannot run DeepEP (auto: here here)"
+            assert outs[index, 0][1] == "auto: another rank of the group cannot run DeepEP (auto: here here)"

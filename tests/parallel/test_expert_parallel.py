@@ -92,7 +92,7 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
 
 
 LAYER_PROBE = textwrap.dedent("""
-    import os, sys, traceback, torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     from megatron_serve.model.experts.capacity_dispatcher import CapacityDispatcher
     from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
@@ -100,6 +100,7 @@ LAYER_PROBE = textwrap.dedent("""
     from megatron_serve.model.parallel import DataParallel, TensorParallel
     from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
     from tests.host_sync import NoHostSync
+    from tests.parallel.forked_ranks import fork_ranks
 
     def guarded(method):  # the fixed-capacity dispatcher never reads a value on the host (a capture forbids it)
         def run(self, *args):
@@ -171,25 +172,9 @@ LAYER_PROBE = textwrap.dedent("""
     # importing torch, costs more than a rank's cases): argv is the model directories, the output folder, then each
     # group's "size port case,case..."
     model_dirs, out_dir, *groups = sys.argv[1:]
-    children = []
-    for group in groups:
-        size, port, cases = group.split(" ")
-        for rank in range(int(size)):
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    probe(model_dirs, rank, int(size), port, os.path.join(out_dir, f"{size}-{rank}.pt"),
-                          cases.split(","))
-                    code = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children.append(pid)
-    sys.exit(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
+    ranks = [(model_dirs, rank, int(size), port, os.path.join(out_dir, f"{size}-{rank}.pt"), cases.split(","))
+             for size, port, cases in (group.split(" ") for group in groups) for rank in range(int(size))]
+    sys.exit(fork_ranks(probe, ranks))
 """)
 
 #: The ``dtype:mode`` cases each world size computes, for the layer tests: ``capacity`` the fixed-capacity
