@@ -156,56 +156,64 @@ def _engine_in(children: Children, namespace: str, model: str, port: int) -> sub
                          f"tcp://{HOST_IP}:{port}", *ENGINE_ARGS)
 
 
-@pytest.mark.parametrize("cut_s,outcome", [(2.0, "completed"), (8.0, "lost")])
-async def test_a_client_cut_off_from_its_coordinator_finishes_or_fails_naming_it(tiny_model, direct, tmp_path, cut_s,
-                                                                                   outcome):
+async def test_a_client_cut_off_from_its_coordinator_finishes_or_fails_naming_it(tiny_model, direct, tmp_path):
     """The link between a client (a server's, here the test's) and the coordinator goes down: back within the
     client's grace period every stream finishes with its whole text, each token once; down for longer, each request
-    in flight fails within grace + time-out with ``CoordinatorLost`` naming the cause, and none waits forever."""
-    from megatron_serve.client.coordinator_client import CoordinatorLost  # noqa: PLC0415
-
+    in flight fails within grace + time-out with ``CoordinatorLost`` naming the cause, and none waits forever. Both
+    cuts on one coordinator and engine (the short one first: it leaves them as they were), a client each."""
     children = Children(tmp_path)
-    port, grace, timeout = free_port(), 4.0, 1.0
+    port = free_port()
     with engine_namespace() as (namespace, host_side, _):
         try:
             _in_namespace(children, namespace, "coordinator", "coordinator", "--model", tiny_model, "--host",
                           ENGINE_IP, "--port", str(port))
             _in_namespace(children, namespace, "engine", "engine", "--model", tiny_model, "--coordinator",
                           f"tcp://{ENGINE_IP}:{port}", *ENGINE_ARGS)
-            client = InferenceClient(f"tcp://{ENGINE_IP}:{port}", token=children.secret,
-                                     coordinator_timeout=timeout, coordinator_grace=grace)
-            await client.start(timeout=60)
-            await client.wait_for_engines(1, timeout=300)
-            streamed = dict.fromkeys(PROMPTS[:8], "")
-            tasks = [asyncio.create_task(_stream_text(client, p, streamed)) for p in streamed]
-            while sum(map(len, streamed.values())) < 20:
-                await asyncio.sleep(0.02)
-            _ip("link", "set", host_side, "down")
-            cut = time.monotonic()
-            ends: list[float] = []
-            for task in tasks:
-                task.add_done_callback(lambda _: ends.append(time.monotonic() - cut))
-            done, _ = await asyncio.wait(tasks, timeout=cut_s)  # what ends while the link is down
-            _ip("link", "set", host_side, "up")
-            outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
-            ended = max(ends)
-            # a short cut ends nothing before the link is back; a long one ends everything before it is
-            assert len(done) == (0 if outcome == "completed" else len(tasks)), (len(done), ends)
-            if outcome == "completed":
-                for prompt, result in zip(streamed, outcomes):
-                    assert not isinstance(result, BaseException), result
-                    assert result.generated_text == direct[prompt] == streamed[prompt], prompt
-            else:
-                unfinished = [o for o in outcomes if isinstance(o, BaseException)]
-                assert unfinished and all(isinstance(o, CoordinatorLost) for o in unfinished), outcomes
-                assert all("coordinator" in str(o) for o in unfinished)
-                assert all(o.generated_text == direct[p] for p, o in zip(streamed, outcomes)
-                           if not isinstance(o, BaseException))
-            print(f"\npartition client-coordinator, {cut_s:g}s cut: {outcome}, every request ended {ended:.1f}s after "
-                  f"the cut (grace {grace:g}s, coordinator time-out {timeout:g}s)")
-            client.close()
+            await _cut_a_client(children, port, host_side, direct, PROMPTS[:8], 2.0, "completed")
+            await _cut_a_client(children, port, host_side, direct, PROMPTS[8:16], 8.0, "lost")
         finally:
             children.kill_all()
+
+
+async def _cut_a_client(children: Children, port: int, host_side: str, direct: dict[str, str], prompts: list[str],
+                        cut_s: float, outcome: str) -> None:
+    """Stream ``prompts`` through a client of its own, bring the pair down for ``cut_s`` once tokens flow, and check
+    the ``outcome`` (``completed``: every stream whole; ``lost``: each unfinished one failed naming the coordinator)."""
+    from megatron_serve.client.coordinator_client import CoordinatorLost  # noqa: PLC0415
+
+    grace, timeout = 4.0, 1.0
+    client = InferenceClient(f"tcp://{ENGINE_IP}:{port}", token=children.secret, coordinator_timeout=timeout,
+                             coordinator_grace=grace)
+    await client.start(timeout=60)
+    await client.wait_for_engines(1, timeout=300)
+    streamed = dict.fromkeys(prompts, "")
+    tasks = [asyncio.create_task(_stream_text(client, p, streamed)) for p in streamed]
+    while sum(map(len, streamed.values())) < 20:
+        await asyncio.sleep(0.02)
+    _ip("link", "set", host_side, "down")
+    cut = time.monotonic()
+    ends: list[float] = []
+    for task in tasks:
+        task.add_done_callback(lambda _: ends.append(time.monotonic() - cut))
+    done, _ = await asyncio.wait(tasks, timeout=cut_s)  # what ends while the link is down
+    _ip("link", "set", host_side, "up")
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+    ended = max(ends)
+    # a short cut ends nothing before the link is back; a long one ends everything before it is
+    assert len(done) == (0 if outcome == "completed" else len(tasks)), (cut_s, len(done), ends)
+    if outcome == "completed":
+        for prompt, result in zip(streamed, outcomes):
+            assert not isinstance(result, BaseException), result
+            assert result.generated_text == direct[prompt] == streamed[prompt], prompt
+    else:
+        unfinished = [o for o in outcomes if isinstance(o, BaseException)]
+        assert unfinished and all(isinstance(o, CoordinatorLost) for o in unfinished), outcomes
+        assert all("coordinator" in str(o) for o in unfinished)
+        assert all(o.generated_text == direct[p] for p, o in zip(streamed, outcomes)
+                   if not isinstance(o, BaseException))
+    print(f"\npartition client-coordinator, {cut_s:g}s cut: {outcome}, every request ended {ended:.1f}s after "
+          f"the cut (grace {grace:g}s, coordinator time-out {timeout:g}s)")
+    client.close()
 
 
 async def _busy(client: InferenceClient, pid: int, streamed: dict[str, str], timeout: float = 120) -> str:
