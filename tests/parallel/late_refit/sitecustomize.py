@@ -7,14 +7,18 @@ import os
 import queue
 import time
 
-if os.environ.get("LATE_REFIT_S"):
+# taken from the environment: the processes this one starts (its ranks' fork server, multiprocessing's resource
+# tracker) hold no coordinator link, and would import the engine's modules here for nothing (seconds of CPU each)
+LATE_REFIT_S = float(os.environ.pop("LATE_REFIT_S", "0"))
+
+if LATE_REFIT_S:
     from megatron_serve.engine.process import link
 
     class _LateRefits(queue.Queue):
         def put(self, item, block=True, timeout=None):
             body = item[2] if item[0] == "message" else None
             if getattr(body, "rendezvous", None) is not None and (getattr(body, "phase", None) or "load") == "load":
-                time.sleep(float(os.environ["LATE_REFIT_S"]))  # on the link's thread: the loop goes on turning
+                time.sleep(LATE_REFIT_S)  # on the link's thread: the loop goes on turning
             super().put(item, block, timeout)
 
     _init = link.CoordinatorLink.__init__
