@@ -118,26 +118,11 @@ def main() -> None:
     if sys.argv[1] != "--ranks":
         serve_rank(sys.argv[1], sys.argv[2])
         return
+    from forked_ranks import fork_ranks  # noqa: PLC0415 - beside this script (its folder: sys.path[0])
+
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: F401, PLC0415 - imported once, for every rank
     pairs = sys.argv[2:]
-    children = []
-    for inputs, out in zip(pairs[::2], pairs[1::2], strict=True):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                serve_rank(inputs, out)
-                code = 0
-            except BaseException:
-                import traceback  # noqa: PLC0415
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children.append(pid)
-    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
+    sys.exit(1 if fork_ranks(serve_rank, zip(pairs[::2], pairs[1::2], strict=True)) else 0)
 
 
 def serve_rank(inputs: str, out: str) -> None:

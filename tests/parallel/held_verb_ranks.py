@@ -17,22 +17,10 @@ def main() -> None:
     """``held_verb_ranks.py TURN...``: one leader per arrival turn, each a child forked from this process once it has
     imported what they run (a process's start, importing torch, costs more than the leaders' turns); prints each
     leader's ``rank turn``, and exits non-zero where a leader did."""
-    import os  # noqa: PLC0415
+    from forked_ranks import fork_ranks  # noqa: PLC0415 - beside this script (its folder: sys.path[0])
 
     arrivals = [int(arg) for arg in sys.argv[1:]]
-    children = []
-    for rank, arrives in enumerate(arrivals):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                lead(rank, len(arrivals), arrives)
-                code = 0
-            finally:
-                sys.stdout.flush()
-                os._exit(code)
-        children.append(pid)
-    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
+    sys.exit(fork_ranks(lead, [(rank, len(arrivals), arrives) for rank, arrives in enumerate(arrivals)]))
 
 
 def lead(rank: int, world: int, arrives: int) -> None:
