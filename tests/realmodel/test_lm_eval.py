@@ -8,13 +8,16 @@ the session's transformers load of the same file: every item the same choice (lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from lm_eval.models.huggingface import HFLM
 
 from megatron_serve.hub import resolve_model
 
 from tests.helpers import script_module
+
+if TYPE_CHECKING:
+    from lm_eval.models.huggingface import HFLM
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_eval_parity.py"
 # the first 4 items of each task: the check is per item (the same choice and log-likelihoods, or the same text), so a
@@ -37,6 +40,8 @@ def server(parity, smollm2, gguf_cache, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(reference) -> HFLM:
     """lm-eval's ``hf`` backend on the session's transformers model (float32, CPU), one item at a time."""
+    from lm_eval.models.huggingface import HFLM  # here, not at module level: ~0.8 s of every worker's collection
+
     model, tokenizer = reference
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
 
