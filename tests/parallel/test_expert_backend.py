@@ -162,7 +162,9 @@ from tests.parallel.forked_ranks import fork_ranks
 def agree(group, port, rank, backend):
     os.environ.update(MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
-    print(group, rank, *agree_on_backend(backend, "auto: here", None, torch.device("cpu")), sep="|", flush=True)
+    line = "|".join(map(str, ("agreed", group, rank, *agree_on_backend(backend, "auto: here", None,
+                                                                       torch.device("cpu")))))
+    os.write(1, f"{line}\\n".encode())  # one write each: the ranks share the pipe (and gloo may print to it too)
     dist.destroy_process_group()
 
 # argv: each group's "port backend,backend"; every rank a child forked from this process (one import of torch)
@@ -192,8 +194,8 @@ def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
                               text=True, stdout=subprocess.PIPE, timeout=120, cwd=Path(__file__).resolve().parents[2],
                               env={**os.environ, **meetings[0]})
     assert proc.returncode == 0
-    outs = {(int(group), int(rank)): rest for group, rank, *rest in (line.split("|") for line in proc.stdout.split("\n")
-                                                                     if line)}
+    outs = {(int(group), int(rank)): rest for _, group, rank, *rest in (line.split("|") for line in proc.stdout.split("\n")
+                                                                        if line.startswith("agreed|"))}
     for index, (_, agreed) in enumerate(groups):
         assert [outs[index, rank][0] for rank in range(2)] == [agreed, agreed], outs
         if agreed == "alltoall":
