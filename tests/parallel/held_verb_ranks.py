@@ -12,13 +12,13 @@ import torch.distributed as dist
 from megatron_serve.engine.group.data_parallel import agree_turn
 from megatron_serve.engine.group.turns import HeldVerb
 
+from forked_ranks import fork_ranks, report  # beside this script (its folder: sys.path[0])
+
 
 def main() -> None:
     """``held_verb_ranks.py TURN...``: one leader per arrival turn, each a child forked from this process once it has
     imported what they run (a process's start, importing torch, costs more than the leaders' turns); prints each
-    leader's ``rank turn``, and exits non-zero where a leader did."""
-    from forked_ranks import fork_ranks  # noqa: PLC0415 - beside this script (its folder: sys.path[0])
-
+    leader's ``rank|turn`` (:func:`forked_ranks.report`), and exits non-zero where a leader did."""
     arrivals = [int(arg) for arg in sys.argv[1:]]
     sys.exit(fork_ranks(lead, [(rank, len(arrivals), arrives) for rank, arrives in enumerate(arrivals)]))
 
@@ -30,7 +30,7 @@ def lead(rank: int, world: int, arrives: int) -> None:
         if turn == arrives:
             held = HeldVerb("REFIT", None, float("inf"))
         if agree_turn(dist.group.WORLD, busy=False, holding=held is not None).verb:
-            print(rank, turn, flush=True)
+            report(rank, turn)
             break
     dist.destroy_process_group()
 

@@ -395,12 +395,13 @@ def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all
     import sys
 
     from ..helpers import free_port
+    from .forked_ranks import reports
 
     arrivals = [0, 5]  # the copies reach the two leaders at turns 0 and 5 (a third, between, adds only a process)
     script = os.path.join(os.path.dirname(__file__), "held_verb_ranks.py")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.Popen([sys.executable, script, *map(str, arrivals)], env=env, stdout=subprocess.PIPE, text=True)
-    lines = proc.communicate(timeout=120)[0].splitlines()
+    output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0
-    acted = [[turn for rank_, turn in map(str.split, lines) if rank_ == str(rank)] for rank in range(len(arrivals))]
+    acted = [[turn for rank_, turn in reports(output) if rank_ == str(rank)] for rank in range(len(arrivals))]
     assert acted == [["5"]] * len(arrivals), acted  # each one's own arrival turn would be [0, 5]: the hang

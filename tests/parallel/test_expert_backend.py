@@ -157,14 +157,12 @@ import sys
 import torch
 import torch.distributed as dist
 from megatron_serve.engine.expert_backend import agree_on_backend
-from tests.parallel.forked_ranks import fork_ranks
+from tests.parallel.forked_ranks import fork_ranks, report
 
 def agree(group, port, rank, backend):
     os.environ.update(MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
-    line = "|".join(map(str, ("agreed", group, rank, *agree_on_backend(backend, "auto: here", None,
-                                                                       torch.device("cpu")))))
-    os.write(1, f"{line}\\n".encode())  # one write each: the ranks share the pipe (and gloo may print to it too)
+    report(group, rank, *agree_on_backend(backend, "auto: here", None, torch.device("cpu")))
     dist.destroy_process_group()
 
 # argv: each group's "port backend,backend"; every rank a child forked from this process (one import of torch)
@@ -184,6 +182,7 @@ def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
     from pathlib import Path  # noqa: PLC0415
 
     from ..helpers import hosted_rendezvous  # noqa: PLC0415
+    from .forked_ranks import reports  # noqa: PLC0415
 
     groups = [(("deepep_low_latency", "alltoall"), "alltoall"),
               (("deepep_low_latency", "deepep_low_latency"), "deepep_low_latency")]
@@ -194,8 +193,7 @@ def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
                               text=True, stdout=subprocess.PIPE, timeout=120, cwd=Path(__file__).resolve().parents[2],
                               env={**os.environ, **meetings[0]})
     assert proc.returncode == 0
-    outs = {(int(group), int(rank)): rest for _, group, rank, *rest in (line.split("|") for line in proc.stdout.split("\n")
-                                                                        if line.startswith("agreed|"))}
+    outs = {(int(group), int(rank)): rest for group, rank, *rest in reports(proc.stdout)}
     for index, (_, agreed) in enumerate(groups):
         assert [outs[index, rank][0] for rank in range(2)] == [agreed, agreed], outs
         if agreed == "alltoall":
