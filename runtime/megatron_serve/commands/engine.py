@@ -114,6 +114,14 @@ def data_parallel_info(config: "InferenceConfig") -> dict[str, int]:
     return {"data_parallel_rank": config.data_parallel_rank, "data_parallel_size": config.data_parallel_size}
 
 
+def refused(reason: str) -> None:
+    """The coordinator refused this engine's handshake before its model was loaded: the line its link would log,
+    and exit 1 at once (from the watching thread, while the main one imports or loads)."""
+    logger.error("%s", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     address = coordinator_address(args.coordinator)
@@ -127,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)
+    from ..wire.security import fleet_secret  # noqa: PLC0415 - zmq: only when the command runs
+    from ..wire.transport import RefusalWatch  # noqa: PLC0415
+
+    # A coordinator that refuses this engine's secret ends it now, not after seconds of torch import and model load
+    # (a single-rank engine: a group's followers may never talk to the coordinator)
+    refusal = RefusalWatch(address, fleet_secret(token), refused) if config.world_size == 1 else None
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
     from ..engine.process.loop import run_engine_process  # noqa: PLC0415
 
@@ -136,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer,
                                                        vocabulary_only=True)
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, capacity_line(engine))
+        if refusal is not None:
+            refusal.close()  # the engine's own link takes over
         return engine
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,

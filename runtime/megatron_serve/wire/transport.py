@@ -7,11 +7,14 @@ monitor of its handshakes are set in one place.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from .security import HANDSHAKE_EVENTS, FleetSecret, PeerKeys
+from .security import HANDSHAKE_EVENTS, FleetSecret, HandshakeWatch, PeerKeys, refused_message
 
 
 #: ZMTP heartbeats (milliseconds): each side's I/O thread pings every connection and drops one that answered nothing
@@ -99,3 +102,42 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket | None, linger: int = 
     sock.close(linger=linger)
     if monitor is not None:
         monitor.close(linger=0)
+
+
+class RefusalWatch:
+    """One handshake with the coordinator at ``address``, in a thread of its own, while a slow start-up (an engine's
+    torch import and model load) runs: a coordinator that refuses this process's secret is known within a fraction
+    of a second, not only once the start-up is over. ``on_refused(reason)`` runs in the thread, with the line the
+    peer's own link would report (:func:`refused_message`); a handshake that succeeds, or a coordinator not up yet,
+    leaves it silent. :meth:`close` when the start-up is done (the peer's own link takes over)."""
+
+    def __init__(self, address: str, secret: FleetSecret | None, on_refused: Callable[[str], None],
+                 ctx: zmq.Context | None = None) -> None:
+        self.address, self.secret, self.on_refused = address, secret, on_refused
+        self.ctx = ctx or zmq.Context.instance()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="handshake-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            sock, monitor = open_peer_socket(self.ctx, self.address, self.secret, PeerKeys(), hwm=1, linger=0)
+        except zmq.ZMQError:  # an address the transport refuses: the peer's own link reports it
+            return
+        watch = HandshakeWatch()
+        try:
+            while not self._closed.is_set():
+                if not monitor.poll(100):
+                    continue
+                outcome = watch.event(recv_monitor_message(monitor)["event"])
+                if outcome == "connected":
+                    return
+                if outcome == "refused":
+                    self.on_refused(refused_message(self.address, self.secret is not None))
+                    return
+        finally:
+            close_monitored(sock, monitor)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
