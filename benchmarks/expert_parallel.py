@@ -28,12 +28,13 @@ Two tables:
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import os
-import subprocess
+import queue
+import shutil
+import socket
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -42,18 +43,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams  # noqa: E402
 from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
 from pipeline_parallel import group_cpu_seconds  # noqa: E402
-from serving import free_port  # noqa: E402
 
-COUNTING_PROBE = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    from megatron_serve.model.experts.dispatch import install_dispatchers
-    from megatron_serve.model.loader import load_model
-    from megatron_serve.model.experts.moe import SparseMoeBlock
-    from megatron_serve.model.parallel import DataParallel, TensorParallel
-    from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
 
-    rank, size, port, model_dir, layouts, tokens, device = sys.argv[1:]
-    rank, size, tokens = int(rank), int(size), int(tokens)
+def counting_probe(rank: int, size: int, port: str, model_dir: str, layouts: str, tokens: int,
+                   device: str) -> dict | None:
+    """One rank of the bytes table: one MoE block's forward for each layout, the collectives' payloads counted;
+    rank 0 returns what it measured."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from megatron_serve.model.experts.dispatch import install_dispatchers  # noqa: PLC0415
+    from megatron_serve.model.experts.moe import SparseMoeBlock  # noqa: PLC0415
+    from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher  # noqa: PLC0415
+    from megatron_serve.model.loader import load_model  # noqa: PLC0415
+    from megatron_serve.model.parallel import DataParallel, TensorParallel  # noqa: PLC0415
+
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -96,16 +99,15 @@ COUNTING_PROBE = textwrap.dedent("""
         with torch.no_grad():
             block(hidden)
         measured[layout] = {"bytes_per_token": sent[0] / tokens, "hidden_bytes": model.config.hidden_size * 4}
-    if rank == 0:
-        print(json.dumps(measured))
     dist.destroy_process_group()
-""")
+    return measured if rank == 0 else None
 
 
-BANDWIDTH_PROBE = textwrap.dedent("""
-    import json, sys, time, torch, torch.distributed as dist
+def bandwidth_probe(rank: int, size: int, port: str, device: str, mib: int) -> dict | None:
+    """One rank of the bandwidth table: all-to-alls of ``mib`` MiB a rank; rank 0 returns their rate."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
 
-    rank, size, port, device, mib = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -123,23 +125,58 @@ BANDWIDTH_PROBE = textwrap.dedent("""
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / rounds
-    if rank == 0:  # bytes each rank sent to the others, per second
-        print(json.dumps({"gb_per_s": mib * 2**20 * (size - 1) / size / seconds / 1e9, "ms": 1000 * seconds}))
     dist.destroy_process_group()
-""")
+    # bytes each rank sent to the others, per second
+    return {"gb_per_s": mib * 2**20 * (size - 1) / size / seconds / 1e9, "ms": 1000 * seconds} if rank == 0 else None
 
 
-def run_ranks(script: str, size: int, *argv: str) -> dict:
-    """``script`` in ``size`` processes (rank, size, a free port, ``argv``); rank 0's JSON line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(size), port, *argv],
-                              stdout=subprocess.PIPE, text=True, env=env) for rank in range(size)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    return json.loads(outputs[0].strip().splitlines()[-1])
+def free_port() -> int:
+    """A free TCP port on the loopback (not serving.py's: importing that module loads aiohttp and httpx, again in
+    every rank process forked here, which imports this script as its ``__main__``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def probe_rank(probe, results, rank: int, *argv) -> None:  # noqa: ANN001 - a probe above; a multiprocessing Queue
+    """A probe's rank in a forked process; rank 0 sends back what it measured."""
+    measured = probe(rank, *argv)
+    if measured is not None:
+        results.put(measured)
+
+
+def run_ranks(probe, size: int, *argv) -> dict:  # noqa: ANN001 - counting_probe or bandwidth_probe
+    """``probe`` in ``size`` processes (rank, size, a free port, ``argv``); rank 0's result. The ranks come from the
+    engine's fork server (torch imported once there, as for the engine groups' ranks), not fresh interpreters."""
+    from megatron_serve.engine.group.spawn import PRELOAD  # noqa: PLC0415 (not in the ranks' import of this script)
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts; the engine groups may have started it
+    results, port = context.Queue(), str(free_port())
+    procs = [context.Process(target=probe_rank, args=(probe, results, rank, size, port, *argv))
+             for rank in range(size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            measured = results.get(timeout=1)
+            break
+        except queue.Empty:
+            failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"{probe.__name__}: ranks {failed} failed" if failed else "timed out") from None
+    for proc in procs:
+        proc.join(timeout=60)
+    return measured
 
 
 def make_model(args: argparse.Namespace, root: Path) -> str:
+    """``--model`` copied into ``root`` (the eplb table rewrites its routers), or a random MoE of the options' shape."""
+    if args.model:
+        return shutil.copytree(args.model, root / "moe")
     return str(make_tiny_model(root / "moe", seed=0, arch="qwen3_moe", hidden_size=args.hidden, num_layers=args.layers,
                                num_heads=8, num_kv_heads=4, num_experts=args.experts,
                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate))
@@ -185,7 +222,7 @@ def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
         layouts = {"tp": f"TP={size} all-reduce", "ep": f"EP={size} all-to-all", "ep-capacity": f"EP={size} capacity",
                    "ep-allgather": f"EP={size} all-reduce", "dp": f"DP={size} all-to-all",
                    "dp-capacity": f"DP={size} capacity"}
-        measured = run_ranks(COUNTING_PROBE, size, model_dir, ",".join(layouts), str(args.batch_tokens), args.device)
+        measured = run_ranks(counting_probe, size, model_dir, ",".join(layouts), args.batch_tokens, args.device)
         for layout, name in layouts.items():
             print(f"{name:<22} {measured[layout]['bytes_per_token']:>12.0f} "
                   f"{measured[layout]['bytes_per_token'] / measured[layout]['hidden_bytes']:>9.2f}")
@@ -195,7 +232,7 @@ def bandwidth_table(args: argparse.Namespace) -> None:
     print(f"\nall-to-all of {args.mib} MiB a rank ({args.device}): bytes each rank sends the others per second")
     print(f"{'ranks':<6} {'GB/s':>8} {'ms':>8}")
     for size in args.sizes:
-        measured = run_ranks(BANDWIDTH_PROBE, size, args.device, str(args.mib))
+        measured = run_ranks(bandwidth_probe, size, args.device, args.mib)
         print(f"{size:<6} {measured['gb_per_s']:>8.2f} {measured['ms']:>8.2f}")
 
 
@@ -270,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="all-to-all size a rank, for the bandwidth table")
     parser.add_argument("--hot", type=int, nargs="+", default=[3, 5], help="experts the eplb table's router favours")
     parser.add_argument("--redundant", type=int, default=4, help="the eplb table's num_redundant_experts")
+    parser.add_argument("--model", default=None,
+                        help="an MoE model directory instead of a random one of --hidden, --experts... (copied: the "
+                             "eplb table rewrites its routers); a caller that has one made skips importing its "
+                             "transformers model class here")
     parser.add_argument("--tables", nargs="+", choices=("decode", "bytes", "bandwidth", "eplb"),
                         default=["decode", "bytes"])
     args = parser.parse_args(argv)

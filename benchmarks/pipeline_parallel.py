@@ -64,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=7, help="uneven over 2 and 3 stages by default")
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens a request")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--model", default=None,
+                        help="a dense model directory instead of a random one of --hidden, --layers and "
+                             "--intermediate (a caller that has one made skips importing its transformers model class "
+                             "here); the table's header still prints the options")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        model_dir = str(make_tiny_model(Path(root) / "dense", seed=0, hidden_size=args.hidden, num_layers=args.layers,
+        model_dir = args.model or str(make_tiny_model(Path(root) / "dense", seed=0, hidden_size=args.hidden, num_layers=args.layers,
                                         num_heads=8, num_kv_heads=4, intermediate_size=args.intermediate))
         print(f"ms per generated token ({args.concurrency} requests of {args.tokens} tokens, {args.layers} layers, "
               f"hidden {args.hidden}, {args.device}, {args.dtype})")

@@ -21,14 +21,25 @@ def run(name: str, *args: str) -> str:
     return result.stdout
 
 
+def tiny_model(root: Path, **shape) -> str:
+    """The benchmark's random model made here (``--model``), where the suite's process has imported transformers'
+    model classes already: the script's own interpreter spent ~3 CPU-s importing them for its one model."""
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+    return str(make_tiny_model(root, seed=0, num_heads=8, num_kv_heads=4, **shape))
+
+
 @pytest.fixture(scope="module")
-def expert_parallel_out() -> str:
+def expert_parallel_out(tmp_path_factory) -> str:
     """One run of ``expert_parallel.py`` prints all three tables (one interpreter importing torch, one tiny model,
-    instead of one run for decode and bytes and another for eplb). The eplb table skews the router after the decode
-    and bytes tables ran, so they measure the unskewed model as before; 8 tokens a request (the eplb run's)."""
-    return run("expert_parallel.py", "--tables", "decode", "bytes", "eplb", "--sizes", "2", "--hidden", "64",
-               "--intermediate", "32", "--experts", "8", "--top-k", "2", "--layers", "2", "--tokens", "8",
-               "--concurrency", "2", "--batch-tokens", "16", "--hot", "1", "2", "--redundant", "2")
+    instead of one run for decode and bytes and another for eplb). The eplb table skews the router (of its copy of
+    the model) after the decode and bytes tables ran, so they measure the unskewed model as before; 8 tokens a
+    request (the eplb run's). The model is the script's own (its ``make_model``: a Qwen3 MoE of these options)."""
+    model = tiny_model(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", hidden_size=64, num_layers=2, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32)
+    return run("expert_parallel.py", "--model", model, "--tables", "decode", "bytes", "eplb", "--sizes", "2",
+               "--hidden", "64", "--intermediate", "32", "--experts", "8", "--top-k", "2", "--layers", "2",
+               "--tokens", "8", "--concurrency", "2", "--batch-tokens", "16", "--hot", "1", "2", "--redundant", "2")
 
 
 @pytest.mark.slow
@@ -63,9 +74,10 @@ def test_expert_parallel_prints_its_eplb_table(expert_parallel_out):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pipeline_parallel_prints_a_row_per_layout():
-    out = run("pipeline_parallel.py", "--stages", "2", "--layers", "3", "--hidden", "64", "--intermediate", "128",
-              "--tokens", "4", "--concurrency", "2")
+def test_pipeline_parallel_prints_a_row_per_layout(tmp_path):
+    model = tiny_model(tmp_path / "dense", hidden_size=64, num_layers=3, intermediate_size=128)  # 3 layers: uneven
+    out = run("pipeline_parallel.py", "--model", model, "--stages", "2", "--layers", "3", "--hidden", "64",
+              "--intermediate", "128", "--tokens", "4", "--concurrency", "2")
     rows = re.findall(rf"^(one stage|PP=2 micro-batches [12])\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$", out, re.M)
     assert [row[0] for row in rows] == ["one stage", "PP=2 micro-batches 1", "PP=2 micro-batches 2"], out
     assert all(float(wall) > 0 and float(cpu) > 0 for _, wall, _, cpu, _ in rows), out
