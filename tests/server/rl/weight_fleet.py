@@ -5,8 +5,8 @@ each answers (an in-process server per checkpoint, the reference; once per seed 
 deterministic). ``fleet``: ``megatron-serve run`` of A (a
 coordinator, one engine process, the HTTP server) with the admin key and ``--weight-transfer-config`` gloo.
 ``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP (the
-fleet's trainer: one such process for the module's runs, each run with its own session and group, so that torch is
-imported once, not once per run).
+fleet's trainer: one such process for the module's runs, each run with its own session and group, forked from a fork
+server that imported torch, so that torch is imported once per test worker, not once per module or run).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import IO
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
+from ...weights.forked import start_forked
 from ..conftest import admin_run, surface
 
 ADMIN_KEY = "weights-admin-key"
@@ -79,29 +81,29 @@ def fleet(checkpoints, tmp_path_factory):
 
 
 class Trainer:
-    """``weight_trainer.py --serve``: the trainer process the module's runs share (its runs one at a time)."""
+    """``weight_trainer.py --serve``: the trainer process the module's runs share (its runs one at a time), forked
+    from the test worker's fork server, which imported torch already (:mod:`tests.weights.forked`)."""
 
     def __enter__(self) -> "Trainer":
-        self.errors = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, str(TRAINER), "--serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.errors, text=True, bufsize=1,
-                                     env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
+        self.errors = tempfile.NamedTemporaryFile("w+", prefix="weight-trainer-", suffix=".err")  # noqa: SIM115
+        self.proc, self.stdin, stdout = start_forked(TRAINER, ["--serve"], {"ADMIN_KEY": ADMIN_KEY},
+                                                     self.errors.name)
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(stdout,), daemon=True).start()
         return self
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
+    def _read(self, stdout: IO[str]) -> None:
+        with stdout:
+            for line in stdout:
+                self.lines.put(line)
         self.lines.put("")  # the process ended
 
     def __exit__(self, *_) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
+        self.stdin.close()
+        self.proc.join(30)
+        if self.proc.exitcode is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.join()
         self.errors.close()
 
     def stderr(self) -> str:
@@ -110,9 +112,8 @@ class Trainer:
 
     def run(self, argv: list[str], timeout: float = 600) -> list[dict]:
         """One run's JSON lines; fails the test with the run's traceback if it raised."""
-        assert self.proc.poll() is None, self.stderr()
-        self.proc.stdin.write(json.dumps(argv) + "\n")
-        self.proc.stdin.flush()
+        assert self.proc.exitcode is None, self.stderr()
+        self.stdin.write(json.dumps(argv) + "\n")
         lines: list[dict] = []
         while True:
             try:
