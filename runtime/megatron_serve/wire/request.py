@@ -14,15 +14,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import msgspec
-import numpy as np
 
 from ..multimodal import PromptImage
 from .expert_routing import routing_from_wire, routing_to_wire
 from .sampling_params import SamplingParams
 from .submission import WireImage
+
+if TYPE_CHECKING:  # numpy: where routing rows are read (wire.expert_routing)
+    import numpy as np
 
 
 class RequestStatus(str, enum.Enum):
