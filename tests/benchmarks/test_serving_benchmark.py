@@ -46,11 +46,13 @@ def test_staggered_lengths_spread_around_the_uniform_length(serving):
     assert abs(staggered.tokens - uniform.tokens) <= 64
 
 
-def test_a_small_level_runs_end_to_end_with_every_column():
+def test_a_small_level_runs_end_to_end_with_every_column(tiny_llama):
     """The benchmark the front end's goals are read from starts a stack, streams through its aiohttp client and
-    prints a full row: the served and offline rates, the stack's CPU by process and the client's own."""
-    result = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "2", "--requests", "4", "--lengths",
-                             "uniform", "--output-tokens", "4", "--prompt-tokens", "8"],
+    prints a full row: the served and offline rates, the stack's CPU by process and the client's own. ``--model``:
+    the suite's tiny Llama, the model the script makes without one (the script's interpreter spent ~3 CPU-s
+    importing transformers' model classes to make it)."""
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", tiny_llama, "--concurrency", "2", "--requests",
+                             "4", "--lengths", "uniform", "--output-tokens", "4", "--prompt-tokens", "8"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     header, *rows = [line for line in result.stdout.splitlines() if line.startswith("|") and "---" not in line]
