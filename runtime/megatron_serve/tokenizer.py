@@ -165,8 +165,9 @@ class Tokenizer:
         return frozenset(self._tok.all_special_ids) | {i for i, token in added.items() if token.special}
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (for log-prob listings)."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        """The text of one token on its own (for log-prob listings): :meth:`decode_one`'s, kept per id (a prompt's
+        log probs name up to 21 tokens per position, the same ones again and again)."""
+        return self.decode_one(token_id, skip_special_tokens=False)
 
     @property
     def chat_template(self) -> str | None:
