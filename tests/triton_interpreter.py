@@ -5,10 +5,19 @@ Under ``TRITON_INTERPRET=1`` a launch patches ``triton.language`` once (``GridEx
 patches it again, an ``inspect.getmembers`` walk over the language's modules: a third of the interpreted attention
 kernels' CPU (four such calls per key block of every program). Within one launch nothing undoes a patch, so the
 first patch for a helper serves all its later calls in that launch: the same arithmetic, no walk.
+
+The interpreter's options also ask for integer-overflow sanitizing (``sanitize_overflow``) without ``debug``: each
+int32 ``+``/``-``/``*`` (the kernels' index and pointer arithmetic) is then redone in int64 and compared with the
+type's bounds, and the resulting ``device_assert`` is dropped because ``debug`` is off: a quarter of an interpreted
+kernel's CPU that checks nothing. Without ``debug`` the sanitizing is switched off; with it, it stays.
+
+``_get_np_dtype`` (a Triton type's NumPy storage type, asked at every cast, splat and load) builds its table of
+twenty types anew at each call; its answers are memoized per scalar type (a block's is its element's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -44,6 +53,26 @@ def install() -> None:
         except Exception as e:
             raise interpreter.InterpreterError(repr(e)) from e
 
+    options = interpreter.interpreter_builder.options
+    if not options.debug:  # device_assert returns at once without debug: the sanitizer's checks are never asserted
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    interpreter._get_np_dtype = _memoized_np_dtype(interpreter._get_np_dtype)
     call._patch_once = True
     interpreter.GridExecutor.__call__ = launch_once
     interpreter.InterpretedFunction.__call__ = call
+
+
+def _memoized_np_dtype(np_dtype: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``np_dtype`` with its answer for each scalar type kept (pointer and block types themselves are unhashable)."""
+    import triton.language as tl  # noqa: PLC0415 - only where triton is installed
+
+    known: dict[Any, Any] = {}
+
+    def memoized(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return np_dtype(scalar)
+        if scalar not in known:
+            known[scalar] = np_dtype(scalar)
+        return known[scalar]
+    return memoized
