@@ -28,6 +28,7 @@ from megatron_serve.multimodal import PromptImage
 from ..devices import tensor_parallel_device
 from ..graph_replay import install_graphs
 from ..parallel.data_parallel_runs import Request
+from ..triton_interpreter import install as install_interpreter_patches
 from .cases import Case, RequestDraw, context_of
 from .data_parallel import run_data_parallel
 from .models import LoadedModel
@@ -112,6 +113,8 @@ def _kernels(backend: str | None) -> Iterator[None]:
     if backend is None:
         yield
         return
+    if backend == "triton":  # on CPU its kernels run in the interpreter: without its waste per op
+        install_interpreter_patches()
     before = os.environ.get("MEGATRON_KERNELS")
     os.environ["MEGATRON_KERNELS"] = backend
     try:
