@@ -2,7 +2,8 @@
 
 One fleet (coordinator + 2 engines, all with a shared token from ``MEGATRON_SERVE_TOKEN``) is
 shared; each test starts from two live engines (the ``client`` fixture replaces any that a
-previous test ended).
+previous test ended). The tests that end an engine come last, so that only one is replaced (an
+engine start is seconds of CPU, torch's import).
 """
 
 from __future__ import annotations
@@ -131,41 +132,6 @@ async def _freeze_a_busy_engine(client, streamed, index: int, timeout: float = 1
     raise AssertionError(f"never caught an engine holding requests while tokens flowed: {status}")
 
 
-async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct, direct_text):
-    recorder = Recorder(client)
-    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
-    victim, pid = await _freeze_a_busy_engine(client, streamed, 0)
-    os.kill(pid, signal.SIGKILL)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-    assert len(results) == 100 and all(r.status is RequestStatus.COMPLETED for r in results)
-    for p, r in zip(PROMPTS, results):
-        assert r.generated_tokens == direct[p], p  # continued elsewhere from its generated tokens
-        assert streamed[p] == r.generated_tokens, p  # each token delivered exactly once
-    assert all(recorder.results[p] == 1 for p in PROMPTS), [k for k, v in recorder.results.items() if v != 1]
-    moved = [r for r in results if any(e.type.value == "EVICT" for e in r.events)]
-    assert moved, f"the killed engine held {victim['assigned']} request(s) and none moved"
-    after = await client.status()
-    assert [e["id"] for e in after["engines"]] != [] and victim["id"] not in [e["id"] for e in after["engines"]]
-    assert after["in_flight"] == 0 and after["queued"] == 0
-
-
-async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct, direct_text):
-    recorder = Recorder(client)
-    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
-    _, pid = await _freeze_a_busy_engine(client, streamed, 1)
-    proc = next(p for p in fleet.engines if p.pid == pid)
-    proc.send_signal(signal.SIGTERM)  # handled as soon as it runs again
-    proc.send_signal(signal.SIGCONT)
-    assert await asyncio.to_thread(proc.wait, 60) == 0  # drains within --drain-timeout, exits 0
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-    assert all(r.status is RequestStatus.COMPLETED for r in results)
-    for p, r in zip(PROMPTS, results):
-        assert r.generated_tokens == direct[p] and streamed[p] == r.generated_tokens, p
-    assert all(recorder.results[p] == 1 for p in PROMPTS)
-    log = fleet.children.log_of(proc)
-    assert "draining" in log and "handed back" in log
-
-
 async def test_restarted_coordinator_is_rejoined(client, fleet, direct, direct_text):
     prompts = PROMPTS[:50]
     tasks, streamed = await _stream_all(client, prompts, direct_text)
@@ -213,3 +179,38 @@ async def test_token_rejected(client, fleet, tmp_path):
     assert len(status["engines"]) == 2  # the rejected engine never joined
     r = await client.add_request("hello", SamplingParams(temperature=0.0, num_tokens_to_generate=3))
     assert r.status is RequestStatus.COMPLETED
+
+
+async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct, direct_text):
+    recorder = Recorder(client)
+    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
+    victim, pid = await _freeze_a_busy_engine(client, streamed, 0)
+    os.kill(pid, signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert len(results) == 100 and all(r.status is RequestStatus.COMPLETED for r in results)
+    for p, r in zip(PROMPTS, results):
+        assert r.generated_tokens == direct[p], p  # continued elsewhere from its generated tokens
+        assert streamed[p] == r.generated_tokens, p  # each token delivered exactly once
+    assert all(recorder.results[p] == 1 for p in PROMPTS), [k for k, v in recorder.results.items() if v != 1]
+    moved = [r for r in results if any(e.type.value == "EVICT" for e in r.events)]
+    assert moved, f"the killed engine held {victim['assigned']} request(s) and none moved"
+    after = await client.status()
+    assert [e["id"] for e in after["engines"]] != [] and victim["id"] not in [e["id"] for e in after["engines"]]
+    assert after["in_flight"] == 0 and after["queued"] == 0
+
+
+async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct, direct_text):
+    recorder = Recorder(client)
+    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
+    _, pid = await _freeze_a_busy_engine(client, streamed, 1)
+    proc = next(p for p in fleet.engines if p.pid == pid)
+    proc.send_signal(signal.SIGTERM)  # handled as soon as it runs again
+    proc.send_signal(signal.SIGCONT)
+    assert await asyncio.to_thread(proc.wait, 60) == 0  # drains within --drain-timeout, exits 0
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert all(r.status is RequestStatus.COMPLETED for r in results)
+    for p, r in zip(PROMPTS, results):
+        assert r.generated_tokens == direct[p] and streamed[p] == r.generated_tokens, p
+    assert all(recorder.results[p] == 1 for p in PROMPTS)
+    log = fleet.children.log_of(proc)
+    assert "draining" in log and "handed back" in log
