@@ -12,6 +12,7 @@ the same static buffers), which notes each replay's size and each empty MoE pass
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -112,17 +113,23 @@ def follow_case(case: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """``data_parallel_engine.py IN OUT``: one rank; ``data_parallel_engine.py --ranks IN OUT IN OUT...``: a rank per
-    pair, each a child forked from this process once it has imported the engine (a process's start, importing torch,
-    costs more than a case); exits non-zero where a rank did."""
-    if sys.argv[1] != "--ranks":
+    """``data_parallel_engine.py IN OUT``: one rank; ``data_parallel_engine.py --serve FD``: for each line of stdin
+    (a group: a JSON list ``[IN, OUT, IN, OUT...]``) a rank per pair, each a child forked from this process, which
+    imports the engine once for every group (a process's start, importing torch, costs more than a case); how many of
+    them failed goes back as a line on file descriptor ``FD`` once all have exited. The end of stdin ends it."""
+    if sys.argv[1] != "--serve":
         serve_rank(sys.argv[1], sys.argv[2])
         return
     from forked_ranks import fork_ranks  # noqa: PLC0415 - beside this script (its folder: sys.path[0])
 
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: F401, PLC0415 - imported once, for every rank
-    pairs = sys.argv[2:]
-    sys.exit(1 if fork_ranks(serve_rank, zip(pairs[::2], pairs[1::2], strict=True)) else 0)
+    # so is the transformers tokenizer each rank's engine loads (0.7 CPU-s of imports a rank, the tiny models' one)
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: F401, PLC0415
+    with os.fdopen(int(sys.argv[2]), "w") as replies:
+        for line in sys.stdin:
+            pairs = json.loads(line)
+            replies.write(f"{fork_ranks(serve_rank, zip(pairs[::2], pairs[1::2], strict=True))}\n")
+            replies.flush()
 
 
 def serve_rank(inputs: str, out: str) -> None:

@@ -3,13 +3,16 @@ with its own scheduler and requests, starting its own tensor-parallel ranks), me
 together while any has work (:mod:`megatron_serve.engine.group.data_parallel`).
 
 One group of processes serves every case of its layout, one engine after another (``data_parallel_engine.py``):
-starting the processes costs more than a case."""
+starting the processes costs more than a case. A :class:`Launcher` forks every group's processes from one that has
+imported the engine, and can serve several layouts of a module: each launcher's start imports torch."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
+import select
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -56,11 +59,56 @@ class Case:
 Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [rank][run] -> finished requests
 
 
+class Launcher:
+    """``data_parallel_engine.py --serve``: a process that has imported the engine, forking each group's processes
+    when :func:`serve_cases` asks (its environment this one's with ``env``). A module that serves several layouts
+    keeps one for all of them: a process's start, importing torch, costs some 3 CPU-s."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        replies, reply_end = os.pipe()  # its replies: stdout stays the ranks' (shared, as the test's output)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(ENGINE), "--serve", str(reply_end)], stdin=subprocess.PIPE, text=True,
+                pass_fds=(reply_end,),
+                env={**os.environ, **(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1"})
+        finally:
+            os.close(reply_end)
+        self._replies = os.fdopen(replies)
+
+    def run(self, forked: list[str], timeout: float) -> int:
+        """Forks a process for each ``IN OUT`` pair of ``forked`` and waits for them all; returns how many failed."""
+        self._proc.stdin.write(json.dumps(forked) + "\n")
+        self._proc.stdin.flush()
+        if not select.select([self._replies], [], [], timeout)[0]:
+            self._proc.kill()
+            raise TimeoutError(f"the group's processes still ran after {timeout} s")
+        reply = self._replies.readline()
+        assert reply, f"the launcher exited (code {self._proc.wait()})"
+        return int(reply)
+
+    def close(self) -> None:
+        """Ends the launcher (the end of its input)."""
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._replies.close()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900,
-                env: dict[str, str] | None = None, spawn: bool = False) -> Served:
+                env: dict[str, str] | None = None, spawn: bool = False, launcher: Launcher | None = None) -> Served:
     """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
-    alone: a group of one engine), the processes' environment this one's with ``env``. Returns
-    ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``.
+    alone: a group of one engine), the processes' environment this one's with ``env`` (``launcher``: forked by that
+    one, with its environment; without: by one of their own). Returns ``served[case][d][n]``: rank ``d``'s finished
+    requests of run ``n``.
 
     Without data-parallel attention the group's tensor-parallel ranks other than 0 are processes of their own too,
     each following every case's engine in turn (``data_parallel_engine.py``), as ranks on other machines do: an
@@ -73,15 +121,19 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     tmp_path.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stores:  # each case's group meets at a store of its own, hosted here
         meetings = [stores.enter_context(hosted_rendezvous(dp * tp)) for _ in cases]
-        return _run_cases(cases, [int(meeting["MASTER_PORT"]) for meeting in meetings], dp, tp, tmp_path,
-                          {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}, timeout, spawn)
+        if launcher is None:
+            launcher = stores.enter_context(Launcher(env))
+        else:
+            assert env is None, "a launcher's processes have its environment"
+        return _run_cases(cases, [int(meeting["MASTER_PORT"]) for meeting in meetings], dp, tp, tmp_path, launcher,
+                          timeout, spawn)
 
 
-def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: Path, env: dict[str, str],
+def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: Path, launcher: Launcher,
                timeout: float, spawn: bool = False) -> Served:
-    procs, outs = [], []
+    outs = []
     own_ranks = tp if dp == 1 and not spawn else 1  # processes started here per data-parallel rank (the rest: spawned)
-    forked = []  # every process of the group, forked from one (data_parallel_engine.py --ranks)
+    forked = []  # every process of the group, forked from the launcher
     for rank in range(dp):
         for tp_rank in range(own_ranks):
             inputs, out = (tmp_path / f"dp{dp}-tp{tp}-{rank}-{tp_rank}.{kind}" for kind in ("in", "out"))
@@ -92,15 +144,8 @@ def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: 
             if tp_rank == 0:
                 outs.append(out)
             forked += [str(inputs), str(out)]
-    procs.append(subprocess.Popen([sys.executable, str(ENGINE), "--ranks", *forked],
-                                  env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1"}))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * len(procs), f"a rank's engine failed: exit codes {codes}"
+    failed = launcher.run(forked, timeout)
+    assert failed == 0, f"{failed} of the group's processes failed"
     ranks = []
     for out in outs:
         with open(out, "rb") as f:

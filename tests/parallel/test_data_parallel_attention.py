@@ -33,7 +33,7 @@ from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 from ..fp8_checkpoints import block_fp8_checkpoint
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
-from .data_parallel_runs import Case, Request, Served, graph_log, serve_cases
+from .data_parallel_runs import Case, Launcher, Request, Served, graph_log, serve_cases
 
 ALONE = PROMPTS[4:5]
 # Each rank's prompts served together (first run), then rank 0's one request alone while the others idle (second):
@@ -118,20 +118,22 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def served(models, tmp_path_factory) -> Callable[[int, int], Served]:
-    """``served(dp, tp)``: every case of that layout, served by one group of processes the first time it is asked."""
+def served(models, tmp_path_factory) -> Iterator[Callable[[int, int], Served]]:
+    """``served(dp, tp)``: every case of that layout, served by one group of processes the first time it is asked;
+    every layout's group forked from one launcher."""
     cache: dict[tuple[int, int], Served] = {}
     root = tmp_path_factory.mktemp("served")
 
-    def get(dp: int, tp: int = 1) -> Served:
-        if (dp, tp) not in cache:
-            # TP 4 serves one case: its engine spawns its ranks (one fork server) rather than 3 processes of their own
-            cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp,
-                                        spawn=(dp, tp) == (1, 4))
-        return cache[dp, tp]
+    with Launcher() as launcher:
+        def get(dp: int, tp: int = 1) -> Served:
+            if (dp, tp) not in cache:
+                # TP 4 serves one case: its engine spawns its ranks (one fork server), not 3 processes of their own
+                cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp,
+                                            spawn=(dp, tp) == (1, 4), launcher=launcher)
+            return cache[dp, tp]
 
-    get.root = root  # where each layout's group keeps its files (graph logs)
-    return get
+        get.root = root  # where each layout's group keeps its files (graph logs)
+        yield get
 
 
 @pytest.fixture(scope="module")
