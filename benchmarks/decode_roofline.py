@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--no-eager", action="store_true", help="skip the engine run without CUDA graphs")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a checkpoint of the one --models shape that build_checkpoint made already (kept): a "
+                             "caller that made it skips importing transformers' model classes here")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens; allowed on CPU")
     args = parser.parse_args(argv)
 
@@ -361,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = [int(b) for b in args.batches.split(",")]
     names = [n.strip() for n in args.models.split(",") if n.strip()]
+    if args.checkpoint and len(names) != 1:
+        parser.error("--checkpoint: one model shape in --models")
     bandwidth = (args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device, 1 << 26 if
                                                                                       args.smoke else 1 << 30))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -379,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                 if need > total:
                     print(f"skipping {name}: needs about {need / 2**30:.0f} GiB, the GPU has {total / 2**30:.0f} GiB")
                     continue
-            print(f"{name}: building a random checkpoint ({model_bytes(shape) / 1e9:.1f} GB)", flush=True)
-            model_dir = build_checkpoint(name, shape, Path(tmp), device)
+            if args.checkpoint:
+                model_dir = Path(args.checkpoint)
+            else:
+                print(f"{name}: building a random checkpoint ({model_bytes(shape) / 1e9:.1f} GB)", flush=True)
+                model_dir = build_checkpoint(name, shape, Path(tmp), device)
             hf, hf_static = ({}, {}) if args.no_hf else (
                 hf_decode_tokens_per_s(model_dir, batches, args.prompt_len, args.new_tokens, device, "dynamic"),
                 hf_decode_tokens_per_s(model_dir, batches, args.prompt_len, args.new_tokens, device, "static"))
@@ -411,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
             del model
             free_memory()
-            shutil_rmtree(model_dir)
+            if not args.checkpoint:
+                shutil_rmtree(model_dir)
     print_table(rows, bandwidth, device_name, args.prompt_len, args.new_tokens)
     return 0
 
