@@ -6,7 +6,8 @@ GIL as a saturated loop does) while another thread probes: the main port does no
 negative control), the probe port answers 200, from a real coordinator's status on a connection of its
 own, in a process of its own. Then the probe port's ``/ready`` follows the facts: 503 while draining,
 503 once the coordinator is gone; its ``/health`` turns 503 once the server's loop stops stamping for
-``--health-stall-timeout``.
+``--health-stall-timeout``. That a run's probe port agrees with its main port from the start is checked on the run
+of tests/fleet/test_run_under_load.py (a run of its own here cost seconds of CPU for five probes).
 """
 
 from __future__ import annotations
@@ -200,20 +201,3 @@ def test_probe_socket_default_explicit_and_off():
     finally:
         main.close()
         taken.close()
-
-
-def test_the_probe_ports_ready_agrees_with_the_main_ports_from_the_start(tiny_llama, tmp_path):
-    """Before (issue 54) the probe port said "not connected to the coordinator yet" (503) for a second or more
-    after the main port's ``/ready`` was 200: its process was still starting and connecting. Now, until its own
-    connection has a status, it answers the main port's verdict, which the server stamps from the start."""
-    from tests.run_stack import start_run  # noqa: PLC0415
-
-    probe_port = free_port()
-    stack = start_run(tiny_llama, tmp_path / "run", "--health-port", str(probe_port), engines=1)  # main: 200
-    try:
-        probe = f"http://127.0.0.1:{probe_port}"
-        answers = [(get(probe, "/ready"), get(stack.url, "/ready")) for _ in range(5)]
-        assert [(p[0], m[0]) for p, m in answers] == [(200, 200)] * 5, answers
-        assert all(p[1]["ready"] and m[1]["ready"] for p, m in answers), answers
-    finally:
-        stack.kill()

@@ -6,7 +6,8 @@ that the token flood keeps busy) timed out, the server took the coordinator for 
 coordinator_unreachable`` in 12 of 15 tries, although every stream completed. A Kubernetes Service
 dropped exactly its busiest pods. The contract tested here: while the streams run, every ``/ready``
 is 200, on the main port and on the probe port (``--health-port``, where a pod's probes go), and every new
-request is accepted (and answered); how fast is the benchmark's business.
+request is accepted (and answered); how fast is the benchmark's business. Before the streams, from the
+moment the run is ready, the probe port's ``/ready`` agrees with the main port's.
 """
 
 from __future__ import annotations
@@ -60,9 +61,14 @@ async def test_ready_and_admission_hold_under_400_streams(tiny_llama, tmp_path):
     probe_port = free_port()
     stack = start_run(tiny_llama, tmp_path / "run", "--health-port", str(probe_port), engines=2)
     try:
+        probes = f"http://127.0.0.1:{probe_port}"
+        # From the start, the probe port says what the main port says (issue 54: it answered 503 "not connected to
+        # the coordinator yet" for a second or more after the main port's /ready was 200, its process still starting)
+        first = [(ready(probes), ready(stack.url)) for _ in range(5)]
+        assert [(p[0], m[0]) for p, m in first] == [(200, 200)] * 5, first
+        assert all(p[1]["ready"] and m[1]["ready"] for p, m in first), first
         limits = httpx.Limits(max_connections=STREAMS + 16, max_keepalive_connections=STREAMS + 16)
         loaded, done = threading.Event(), threading.Event()
-        probes = f"http://127.0.0.1:{probe_port}"
         probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, probes, stack.model, loaded, done))
         async with httpx.AsyncClient(base_url=stack.url, timeout=600, limits=limits) as http:
             firsts = [asyncio.Event() for _ in range(STREAMS)]
