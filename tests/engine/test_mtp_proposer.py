@@ -146,10 +146,11 @@ def test_missing_or_misshapen_mtp_tensors_are_named(models, tmp_path):
         engine_on(wrong, MTP)
 
 
-def _reference_first_guess(model_dir: str, tokens: list[int]) -> int:
-    """The MTP layer's first guess after ``tokens``, computed with ``transformers`` alone: the target's pre-norm
-    last hidden states of every position, then the MTP layer (a one-layer Hugging Face Llama holding its decoder
-    weights) over positions ``0 .. L-2`` fed ``eh_proj(cat(enorm(embed(tokens[i + 1])), hnorm(h_i)))``."""
+def _reference_first_guesses(model_dir: str, token_lists: list[list[int]]) -> list[int]:
+    """The MTP layer's first guess after each of ``token_lists``, computed with ``transformers`` alone: the target's
+    pre-norm last hidden states of every position, then the MTP layer (a one-layer Hugging Face Llama holding its
+    decoder weights) over positions ``0 .. L-2`` fed ``eh_proj(cat(enorm(embed(tokens[i + 1])), hnorm(h_i)))``.
+    Both models are built once for every guess."""
     import transformers  # noqa: PLC0415
 
     target = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -171,14 +172,19 @@ def _reference_first_guess(model_dir: str, tokens: list[int]) -> int:
         out, tuple) else out))
     mtp.model.layers[0].register_forward_hook(lambda module, args, out: captured.update(m=out[0] if isinstance(
         out, tuple) else out))
-    with torch.no_grad():
-        target(torch.tensor([tokens[:-1]]))
-        embeds = target.model.embed_tokens(torch.tensor([tokens[1:]]))
-        x = torch.cat([norm(embeds, "enorm.weight"), norm(captured["h"], "hnorm.weight")], -1) @ weights[
-            prefix + "eh_proj.weight"].T
-        mtp.model(inputs_embeds=x, position_ids=torch.arange(len(tokens) - 1)[None])
-        logits = target.lm_head(norm(captured["m"][0, -1], "shared_head.norm.weight"))
-    return int(logits.argmax())
+
+    def first_guess(tokens: list[int]) -> int:
+        captured.clear()
+        with torch.no_grad():
+            target(torch.tensor([tokens[:-1]]))
+            embeds = target.model.embed_tokens(torch.tensor([tokens[1:]]))
+            x = torch.cat([norm(embeds, "enorm.weight"), norm(captured["h"], "hnorm.weight")], -1) @ weights[
+                prefix + "eh_proj.weight"].T
+            mtp.model(inputs_embeds=x, position_ids=torch.arange(len(tokens) - 1)[None])
+            logits = target.lm_head(norm(captured["m"][0, -1], "shared_head.norm.weight"))
+        return int(logits.argmax())
+
+    return [first_guess(tokens) for tokens in token_lists]
 
 
 def test_first_guesses_equal_a_transformers_reference(models):
@@ -195,4 +201,4 @@ def test_first_guesses_equal_a_transformers_reference(models):
     assert 0 < accepted < drafts
     checked = [(tokens, guess) for tokens, guess in recorded if len(tokens) > 2]
     assert len(checked) >= 20
-    assert [guess[0] for _, guess in checked] == [_reference_first_guess(models["mixed"], t) for t, _ in checked]
+    assert [guess[0] for _, guess in checked] == _reference_first_guesses(models["mixed"], [t for t, _ in checked])
