@@ -1,8 +1,8 @@
 """What the weight-route tests share: two tiny checkpoints, a served fleet of the first, a trainer process.
 
 ``checkpoints``: models A and B (same shapes, other seeds) and the greedy completions that a server started from
-each answers (an in-process server per checkpoint, the reference; once per seed and process, the models being
-deterministic). ``fleet``: ``megatron-serve run`` of A (a
+each answers (an in-process server per checkpoint, the reference; once per seed and session, shared by the xdist
+workers, the models being deterministic). ``fleet``: ``megatron-serve run`` of A (a
 coordinator, one engine process, the HTTP server) with the admin key and ``--weight-transfer-config`` gloo.
 ``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP (the
 fleet's trainer: one such process for the module's runs, each run with its own session and group, forked from a fork
@@ -12,7 +12,6 @@ server that imported torch, so that torch is imported once per test worker, not 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import queue
@@ -26,6 +25,7 @@ from typing import IO
 
 import httpx
 import pytest
+from filelock import FileLock
 
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
@@ -54,18 +54,23 @@ async def _served(model_dir: str) -> list[str]:
     return [answer["choices"][0]["text"] for answer in answers]
 
 
-@functools.cache
-def reference_texts(seed: int) -> list[str]:
-    """The greedy completions of a server started from the tiny model of ``seed``."""
-    with tempfile.TemporaryDirectory() as root:
-        return asyncio.run(_served(str(make_tiny_model(Path(root) / "model", seed=seed))))
+def reference_texts(seed: int, model_dir: str, shared: Path) -> list[str]:
+    """The greedy completions of a server started from ``model_dir``, the tiny model of ``seed``: once per session,
+    the first worker to need them keeps them in ``shared`` (the workers' common directory) for the others."""
+    path = shared / f"weight-routes-reference-{seed}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(asyncio.run(_served(model_dir))))
+        return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("weight-routes")
     a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
-    texts = SimpleNamespace(a=reference_texts(0), b=reference_texts(1))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the session's, above the worker's
+    texts = SimpleNamespace(a=reference_texts(0, a, shared), b=reference_texts(1, b, shared))
     assert texts.a != texts.b
     return SimpleNamespace(a=a, b=b, texts=texts)
 

@@ -51,7 +51,8 @@ class Calls:
     """The server's routes, each answer printed; ``alongside``: a call answered while this process broadcasts."""
 
     def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=600,
+        # verify=False: the URL is plain HTTP, and a client that verifies loads the CA bundle (~40 ms of CPU a run)
+        self.http = httpx.Client(base_url=url, timeout=600, verify=False,
                                  headers={"Authorization": f"Bearer {os.environ['ADMIN_KEY']}"})
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
 
