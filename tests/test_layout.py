@@ -6,6 +6,7 @@ client."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -24,6 +25,13 @@ MAX_FLAT_MODULES = 12
 MAX_IMPORT_DEPTH = 13
 #: What a function over MAX_FUNCTION_LINES says in its docstring to stay whole: ``Long: <the reason>``.
 LONG_REASON = "Long:"
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the tests here (most walk every module's: ~1 s of CPU a pass).
+    The tests only read the trees."""
+    return ast.parse(path.read_text())
 
 
 def _modules() -> dict[str, Path]:
@@ -74,13 +82,13 @@ def _module_level_imports(name: str, path: Path, modules: dict[str, Path]) -> se
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 found.update(_targets(node, name, is_package, modules))
 
-    walk(ast.parse(path.read_text()).body)
+    walk(_tree(path).body)
     return found
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Project modules ``name`` imports, at module level or inside functions, type-checking blocks excluded."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     is_package = path.name == "__init__.py"
     skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                for n in ast.walk(node)}
@@ -204,7 +212,7 @@ def test_no_function_is_longer_than_eighty_lines_without_a_reason():
     for name, path in _modules().items():
         if name.startswith("megatron_kernels"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES and LONG_REASON not in (ast.get_docstring(node) or ""):
@@ -235,12 +243,12 @@ def test_the_engine_class_holds_its_parts_and_nothing_in_the_engine_imports_it()
     objects it holds, each with its own state, not mixins that reach into its attributes (it was one class spread
     over four files that way). None of its parts imports it back, even for type checkers: only the package does."""
     engine = PACKAGES["megatron_serve"] / "engine"
-    (cls,) = [node for node in ast.parse((engine / "core.py").read_text()).body
+    (cls,) = [node for node in _tree(engine / "core.py").body
               if isinstance(node, ast.ClassDef) and node.name == "DynamicInferenceEngine"]
     assert [ast.unparse(base) for base in cls.bases + cls.keywords] == []
     importers = []
     for path in engine.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "core" and node.level:
                 importers.append(str(path.relative_to(engine)))
     assert importers == ["__init__.py"]
@@ -259,7 +267,7 @@ def test_the_engine_class_is_a_step_loop_of_bounded_size():
     every ``def`` in its body counted (properties, class methods and private helpers alike): a new job goes to the
     scheduler, the worker or an object the engine holds, not into the loop. The runner is the worker's alone."""
     engine = PACKAGES["megatron_serve"] / "engine"
-    (cls,) = [node for node in ast.parse((engine / "core.py").read_text()).body
+    (cls,) = [node for node in _tree(engine / "core.py").body
               if isinstance(node, ast.ClassDef) and node.name == "DynamicInferenceEngine"]
     methods = [node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     lines = cls.end_lineno - cls.lineno + 1
@@ -319,11 +327,11 @@ def test_no_engine_module_accumulates_per_token_lists():
     no container but those listed in SEQUENCE_CONTAINERS (a new per-token list there needs a reason here)."""
     growers = {}
     for name, path in _engine_modules().items():
-        grown = _grown_attributes(ast.parse(path.read_text())) & set(PER_TOKEN_FIELDS)
+        grown = _grown_attributes(_tree(path)) & set(PER_TOKEN_FIELDS)
         if grown and name != "megatron_serve.engine.expert_api":
             growers[name] = sorted(grown)
     assert not growers, f"engine modules growing per-token lists: {growers}"
-    (cls,) = [node for node in ast.parse((PACKAGES["megatron_serve"] / "engine" / "sequence.py").read_text()).body
+    (cls,) = [node for node in _tree(PACKAGES["megatron_serve"] / "engine" / "sequence.py").body
               if isinstance(node, ast.ClassDef) and node.name == "Sequence"]
     containers = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign)
                   and re.search(r"\b(list|dict|set|deque|tuple|ndarray|PromptScores)\b", ast.unparse(node.annotation))}
@@ -375,7 +383,7 @@ def test_the_sampling_table_is_the_one_place_that_lists_sampling_parameters():
     listings = {}
     for name, path in _modules().items():
         if name.startswith("megatron_serve.") and name not in SAMPLING_LISTINGS:
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(_tree(path)):
                 if len(found := _listed_names(node) & knobs) >= 3:
                     listings[f"{name}:{node.lineno}"] = sorted(found)
     assert not listings, f"sampling parameters listed outside the table: {listings}"
@@ -410,7 +418,7 @@ def test_the_refit_transaction_probes_nothing():
     offenders = []
     for short in REFIT_TRANSACTION:
         name = f"megatron_serve.{short}"
-        for node in ast.walk(ast.parse(modules[name].read_text())):
+        for node in ast.walk(_tree(modules[name])):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 offenders += [f"{name}:{inner.lineno} import in {node.name}" for inner in ast.walk(node)
                               if isinstance(inner, (ast.Import, ast.ImportFrom))]
