@@ -2,12 +2,16 @@
 its tokenizer and chat template inside), and transformers' own load of the same file, the reference, both in float32.
 Each is made once per session and shared by the session's xdist workers (:func:`shared_directory`): the file's
 directory in a cache of the session's own, and transformers' load saved as safetensors under a lock, which the other
-workers load back (transformers dequantizes the file's 4-bit tensors in numpy, about 35 s of CPU each time here)."""
+workers load back (transformers dequantizes the file's 4-bit tensors in numpy, about 12 s of CPU each time here,
+with the file's metadata read once: :func:`read_once`)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,20 @@ def llm(smollm2, gguf_cache) -> LLM:
     return LLM(model=str(smollm2), dtype="float32", quantization="gguf", block_size=16)
 
 
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """One read of a GGUF file's metadata and one tensor name table while transformers loads it: it reads the
+    metadata for the config, again for the weights and again for the tokenizer (the vocabulary's 100k strings one
+    numpy view at a time, ~3 s of CPU each), and builds gguf's name table once per module of the model (~400
+    times, ~10 s). Both are read-only and looked up by the same arguments: the same objects, the same load."""
+    import gguf  # noqa: PLC0415 - here, not in every worker's collection
+
+    with pytest.MonkeyPatch.context() as patch:  # transformers imports both from ``gguf`` at each call
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="session")
 def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """transformers' own GGUF load of the same file, and its tokenizer: loaded from the file by the session's first
@@ -63,9 +81,10 @@ def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, 
     saved = shared_directory(tmp_path_factory) / "smollm2-transformers"
     with FileLock(f"{saved}.lock"):
         if not (saved / "config.json").is_file():
-            model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                                      dtype=torch.float32)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+            with read_once():
+                model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                                          dtype=torch.float32)
+                tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
             scratch = saved.with_name(f"{saved.name}.{os.getpid()}")
             tokenizer.save_pretrained(scratch)
             model.generation_config.save_pretrained(scratch)
