@@ -147,11 +147,13 @@ def run(args: argparse.Namespace) -> int:
     def make_engine() -> DynamicInferenceEngine:
         started = time.monotonic()
         logger.info("loading model from %s (device %s)", args.model, config.device)
-        engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer,
-                                                       vocabulary_only=True)
+        try:
+            engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer,
+                                                           vocabulary_only=True)
+        finally:
+            if refusal is not None:
+                refusal.close()  # loaded, the engine's own link takes over; failed, nothing is left watching
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, capacity_line(engine))
-        if refusal is not None:
-            refusal.close()  # the engine's own link takes over
         return engine
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,
