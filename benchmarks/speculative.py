@@ -81,7 +81,7 @@ tokens per forward at 0.64x and 0.34x of none's CPU time per token; adaptive K d
     grammar  sampled-n4    64  draft_model/K   124.12   2.03   8103.9   0.34       0.12   0.34   3.91  yes
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
-        [--n 4] [--repeat N] [--cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
+        [--n 4] [--repeat N] [--cold | --warm-and-cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
 
 Needs ``InferenceConfig.speculative``; exits 2 with a message on a build without it.
 """
@@ -238,6 +238,8 @@ def main() -> None:
                         "is the median (ratios to the same repeat's none)")
     parser.add_argument("--cold", action="store_true", help="time each engine from its first request (no warm-up "
                         "round: the K policy's first probes are in the figures)")
+    parser.add_argument("--warm-and-cold", action="store_true", help="both tables in one run (one interpreter, one "
+                        "pair loaded), each after a line `warm:` or `cold:`")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)} ('none' "
                         "is always run first: the ratios' base)")
     args = parser.parse_args()
@@ -255,9 +257,17 @@ def main() -> None:
     print(f"pair {target.parent} ({'cached' if facts['cached'] else 'trained now'}): target {facts['target_train_s']:.0f} s, "
           f"draft {facts['draft_train_s']:.0f} s; held-out greedy draft acceptance length {length:.2f} "
           f"({100 * rate:.1f}% of guesses)")
+    chosen = ["none", *(m for m in args.methods.split(",") if m in METHODS and m != "none")]
+    for cold in (False, True) if args.warm_and_cold else (args.cold,):
+        if args.warm_and_cold:
+            print("cold:" if cold else "warm:")
+        table(argparse.Namespace(**{**vars(args), "cold": cold}), chosen, target, draft)
+
+
+def table(args: argparse.Namespace, chosen: list[str], target: Path, draft: Path) -> None:
+    """The table's header and a row per workload and method (``args.cold``: no warm-up round)."""
     print(f"{'workload':<9}{'sampling':<11}{'conc':>5}  {'method':<14}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}"
           f"{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}{'mean K':>7}  same tokens")
-    chosen = ["none", *(m for m in args.methods.split(",") if m in METHODS and m != "none")]
     for workload in workloads(args):
         params = workload.params(args.new_tokens)
         methods = [m for m in chosen if workload.name != "edit" or not m.startswith("draft_model")]

@@ -1,5 +1,5 @@
 """``benchmarks/speculative.py`` end to end on a pair trained in seconds, warmed up (each engine serves a round of
-other prompts first) and ``--cold``: every method's rows, greedy, sampled and sampled with n choices a prompt, the
+other prompts first) and cold (``--warm-and-cold``: both tables in one run): every method's rows, greedy, sampled and sampled with n choices a prompt, the
 tokens (seeded, sampled too) equal to no speculation's."""
 
 from __future__ import annotations
@@ -31,20 +31,32 @@ def train_pair(cache_dir: Path) -> None:
         torch.set_num_threads(threads)
 
 
-def rows(tmp_path: Path, *extra: str) -> dict[tuple[str, str, str, str], list[str]]:
-    """The table, keyed by (workload, sampling, concurrency, method)."""
+Table = dict[tuple[str, str, str, str], list[str]]
+
+
+def rows(lines: list[str]) -> Table:
+    """A table's rows, keyed by (workload, sampling, concurrency, method)."""
+    table = [line.split() for line in lines if line.startswith(("grammar ", "edit "))]
+    return {tuple(cells[:4]): cells[4:] for cells in table}  # type: ignore[misc]
+
+
+def warm_and_cold(tmp_path: Path) -> tuple[Table, Table]:
+    """Both tables from one run of the script (``--warm-and-cold``: one interpreter, one pair loaded)."""
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--train-steps", str(TRAIN_STEPS), "--concurrency", "1,4", "--requests-c1", "2",
-         "--new-tokens", "8", "--n", "2", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path), *extra],
+         "--new-tokens", "8", "--n", "2", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path),
+         "--warm-and-cold"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    table = [line.split() for line in result.stdout.splitlines() if line.startswith(("grammar ", "edit "))]
-    return {tuple(cells[:4]): cells[4:] for cells in table}  # type: ignore[misc]
+    lines = result.stdout.splitlines()
+    assert lines.count("warm:") == lines.count("cold:") == 1 and lines.index("warm:") < lines.index("cold:"), lines
+    cold = lines.index("cold:")
+    return rows(lines[:cold]), rows(lines[cold:])
 
 
 def test_the_benchmark_runs_every_method_warm_and_cold(tmp_path):
     train_pair(tmp_path)
-    warm, cold = rows(tmp_path), rows(tmp_path, "--cold")
+    warm, cold = warm_and_cold(tmp_path)
     expected = {(w, s, c, m) for w, c in (("grammar", "1"), ("grammar", "4"))
                 for s in ("greedy", "sampled", "sampled-n2") for m in ("none", "ngram", "draft_model")}
     expected |= {("edit", "greedy", "1", m) for m in ("none", "ngram")}
