@@ -13,15 +13,21 @@ The directory is named after the file, which is what a model served from it is c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ... import __version__
 from ..config import ModelConfig
 from ..errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 GGUF_SUFFIX = ".gguf"  # what tells a GGUF file (vLLM tells them by the suffix too)
 #: The link to the GGUF file inside its directory (the loader's weights).
@@ -75,15 +81,35 @@ def _build(path: Path, view: Path, tokenizer: bool) -> None:
     (view / WEIGHTS_LINK).symlink_to(path)
     save_table(reader, path, view)
     if tokenizer:
-        _save_tokenizer(path, view)
+        _save_tokenizer(path, view, reader)
 
 
-def _save_tokenizer(path: Path, view: Path) -> None:
-    """The file's tokenizer and chat template, as ``transformers`` builds them, saved into ``view``."""
+@contextlib.contextmanager
+def _read(path: Path, reader: GGUFReader) -> Iterator[None]:
+    """``transformers`` given ``reader`` where it reads ``path`` again (it calls ``gguf.GGUFReader`` on the file):
+    the metadata read once, not twice (a large vocabulary's strings are seconds of CPU). Other files it reads."""
+    import gguf  # noqa: PLC0415
+
+    original = gguf.GGUFReader
+
+    def read(file: str | os.PathLike, *args: object, **kwargs: object) -> GGUFReader:
+        return reader if not args and not kwargs and Path(file).resolve() == path else original(file, *args, **kwargs)
+
+    gguf.GGUFReader = read
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _save_tokenizer(path: Path, view: Path, reader: GGUFReader) -> None:
+    """The file's tokenizer and chat template, as ``transformers`` builds them from the file's metadata (``reader``,
+    already read), saved into ``view``."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     try:
-        built = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with _read(path, reader):
+            built = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (KeyError, ValueError, NotImplementedError) as exc:  # a vocabulary transformers cannot convert, or none
         raise UnsupportedModelError(f"{path.name}: transformers cannot build a tokenizer from the file "
                                     f"({type(exc).__name__}: {exc}): pass --tokenizer DIR, a directory with the "
