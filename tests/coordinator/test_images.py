@@ -115,7 +115,8 @@ def test_coordinator_mode_equals_direct_mode(tiny_llava):
                {"prompt": "Two: <image> and <image>.", "images": [png(20, 20, 6), Image.new("RGB", (50, 30), "red")]},
                "No image here."]
     config = InferenceConfig(num_kv_blocks=64)
-    direct = [r.generated_tokens for r in MegatronLLM(tiny_llava, config).generate(prompts, GREEDY)]
+    with MegatronLLM(tiny_llava, config) as llm:  # closed: its engine thread and KV cache do not outlive the test
+        direct = [r.generated_tokens for r in llm.generate(prompts, GREEDY)]
 
     async def remote() -> list[list[int]]:
         async with MegatronAsyncLLM(tiny_llava, config, use_coordinator=True) as llm:
