@@ -71,6 +71,9 @@ class Launcher:
                 [sys.executable, str(ENGINE), "--serve", str(reply_end)], stdin=subprocess.PIPE, text=True,
                 pass_fds=(reply_end,),
                 env={**os.environ, **(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1"})
+        except BaseException:
+            os.close(replies)
+            raise
         finally:
             os.close(reply_end)
         self._replies = os.fdopen(replies)
