@@ -39,8 +39,8 @@ TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 def direct_results(tiny_model):
     from megatron_serve.client.llm import MegatronLLM
 
-    llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
-    return dict(zip(PROMPTS, llm.generate(PROMPTS, LONG)))
+    with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64)) as llm:  # its engine thread ends with it
+        return dict(zip(PROMPTS, llm.generate(PROMPTS, LONG)))
 
 
 @pytest.fixture(scope="module")

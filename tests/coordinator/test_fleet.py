@@ -55,9 +55,9 @@ def direct(tiny_model):
     """Greedy outputs of direct mode (engine in this process) for every prompt used here."""
     from megatron_serve.client.llm import MegatronLLM
 
-    llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS))
-    short = {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
-    long = {p: r.generated_tokens for p, r in zip(PROMPTS[:24], llm.generate(PROMPTS[:24], GREEDY_LONG))}
+    with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS)) as llm:  # its engine thread ends with it
+        short = {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+        long = {p: r.generated_tokens for p, r in zip(PROMPTS[:24], llm.generate(PROMPTS[:24], GREEDY_LONG))}
     return SimpleNamespace(short=short, long=long)
 
 
