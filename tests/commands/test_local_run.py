@@ -23,6 +23,7 @@ import pytest
 from megatron_serve.commands import local_runs
 from megatron_serve.commands.control import next_step
 from megatron_serve.wire.protocol import DEFAULT_PORT
+from tests.realmodel.shared import gguf_cache_home
 from tests.server.fakes import wait_until
 from tests.server.test_openai_e2e import free_port
 
@@ -127,10 +128,12 @@ def hold_port(port: int) -> socket.socket | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path):
+def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path, tmp_path_factory):
     holder = hold_port(DEFAULT_PORT)
     http_port = free_port()
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # the session's cache of GGUF directories: the file's directory is made once a session (tests/realmodel make it too)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "XDG_CACHE_HOME": str(gguf_cache_home(tmp_path_factory))}
     env.pop("MEGATRON_SERVE_COORDINATOR", None)
     log = tmp_path / "make-run.log"
     make = ["make", "-C", str(ROOT), "--no-print-directory", "run", f"VENV={sys.prefix}",

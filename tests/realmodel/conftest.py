@@ -22,6 +22,8 @@ from filelock import FileLock
 
 from megatron_serve import LLM
 
+from .shared import gguf_cache_home, shared_directory
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -38,18 +40,12 @@ def smollm2() -> Path:
     return smollm2_file()
 
 
-def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory of this session that every xdist worker shares (their base directories' parent)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 @pytest.fixture(scope="session")
 def gguf_cache(tmp_path_factory):
     """The directories made from GGUF files during the session, out of the user's cache (the product makes each one
     in a scratch directory renamed into place, so workers that make one at once share the first)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(shared_directory(tmp_path_factory) / "cache"))
+        patch.setenv("XDG_CACHE_HOME", str(gguf_cache_home(tmp_path_factory)))
         yield
 
 
