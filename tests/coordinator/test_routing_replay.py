@@ -73,7 +73,8 @@ def arrivals(engine: DynamicInferenceEngine) -> list:
 
 
 async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model):
-    expected = MegatronLLM(moe_model, CONFIG).generate([PROMPT], PARAMS)[0]
+    with MegatronLLM(moe_model, CONFIG) as llm:  # its engine thread ends with it
+        expected = llm.generate([PROMPT], PARAMS)[0]
     fleet = fleet_factory(stall_timeout=1.0)
     first = DynamicInferenceEngine.from_model_dir(moe_model, CONFIG)
     hanging, release = hang_after(first, 8)  # the prompt's step, then seven decode steps
