@@ -25,8 +25,7 @@ import httpx
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
-from tests.helpers import http_get
-from tests.server.test_openai_e2e import free_port
+from tests.helpers import free_port, http_get
 
 
 @dataclass
