@@ -2,15 +2,17 @@
 (coordinator, two engine processes, HTTP): the prefill engine computes each prompt and its first token, its KV
 blocks go through the coordinator to the decode engine, which continues from them.
 
-Under ``--batch-invariant`` the tokens and log probs are ``==`` a colocated run's (the same ``run`` with one
-engine). That the prompt was not computed again: the two engines together ran exactly the tokens the colocated
-engine ran (``megatron_serve_engine_computed_tokens``), each prompt token once and each generated token but
-the last once, where a decode engine that computed the context itself would have run every prompt again.
+Under ``--batch-invariant`` the tokens and log probs are ``==`` a colocated engine's (the same engine and settings,
+served in this process in direct mode: a fleet of its own would check nothing more). That the prompt was
+not computed again: the two engines together ran exactly the tokens the colocated engine ran
+(``megatron_serve_engine_computed_tokens``), each prompt token once and each generated token but the last once,
+where a decode engine that computed the context itself would have run every prompt again.
 ``/metrics`` counts the transfers and their bytes on both sides.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -24,8 +26,10 @@ from typing import Iterator
 import httpx
 import pytest
 
+from megatron_serve.tokenizer import Tokenizer
+
 from ..processes import stop_process_group
-from .conftest import wait_ready
+from .conftest import surface, wait_ready
 from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -59,12 +63,34 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(5, 500) for _ in range(length)] for length in (2 * BLOCK + 5, 3 * BLOCK, 7, BLOCK + 1)]
 
 
-def complete(served: SimpleNamespace, prompt: list[int]) -> dict:
-    body = {"model": served.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+#: :func:`fleet`'s engine settings (its flags), as ``InferenceConfig`` fields
+COLOCATED = {"num_kv_blocks": 64, "block_size_tokens": BLOCK, "max_requests": 4, "batch_invariant": True}
+
+
+def body(model: str, prompt: list[int]) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "ignore_eos": True}
-    answer = served.http.post("/v1/completions", json=body)
+
+
+def complete(served: SimpleNamespace, prompt: list[int]) -> dict:
+    answer = served.http.post("/v1/completions", json=body(served.model, prompt))
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+async def colocated(model: str, sent: list[list[int]], once: int) -> tuple[list[tuple[list[str], list[float]]], float]:
+    """The tokens and log probs of ``sent`` on one colocated engine (direct mode, the fleets' settings), and the
+    tokens it computed (``/metrics`` once its counter reached ``once``)."""
+    async with surface(model, Tokenizer.from_pretrained(model), **COLOCATED) as (_, http):
+        expected = []
+        for prompt in sent:
+            answer = await http.post("/v1/completions", json=body("tiny-llama", prompt))
+            assert answer.status_code == 200, answer.text
+            expected.append(tokens_and_log_probs(answer.json()))
+        deadline = time.monotonic() + 60
+        while (control := computed((await http.get("/metrics")).text) or 0) < once and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    return expected, control
 
 
 def tokens_and_log_probs(answer: dict) -> tuple[list[str], list[float]]:
@@ -93,12 +119,10 @@ def computed(text: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_once(tiny_llama, tmp_path):
+async def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_once(tiny_llama, tmp_path):
     sent = prompts()
     once = sum(map(len, sent)) + len(sent) * (MAX_TOKENS - 1)  # each prompt token, each generated one but the last
-    with fleet(tiny_llama, tmp_path / "colocated") as colocated:
-        expected = [tokens_and_log_probs(complete(colocated, prompt)) for prompt in sent]
-        control = computed(metrics_when(colocated, lambda text: (computed(text) or 0) >= once))
+    expected, control = await colocated(tiny_llama, sent, once)
     with fleet(tiny_llama, tmp_path / "pd", "--prefill-engines", "1", "--decode-engines", "1") as pd:
         answers = [complete(pd, prompt) for prompt in sent]
         # Both ends' counters: each engine's heartbeat carries its own, the sender's a moment apart from the receiver's.
