@@ -25,13 +25,6 @@ from .helpers import NS, ROOT, load_yaml, posted, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from megatron_serve.model.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("operator-tiny"), seed=0))
-
-
 async def coordinator_state(address: str, token: str) -> dict[str, Any]:
     from megatron_operator.coordinator_link import ClientLink
 
