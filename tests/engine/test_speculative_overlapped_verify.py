@@ -66,10 +66,18 @@ def mixed_jobs(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return [*prompts[:4], prompts[4], prompts[4]], params
 
 
+@pytest.fixture(scope="module")
+def plain_mixed(tiny_llama) -> list[tuple]:
+    """The plain engine's outputs of ``mixed_jobs(51)``: the same for every run compared with them, so run once."""
+    return outputs(run(engine(tiny_llama, None), *mixed_jobs(51)))
+
+
 def check_against_plain(tiny_llama: str, spec_engine: DynamicInferenceEngine, prompts: list[list[int]],
-                        params: list[SamplingParams]) -> list[DynamicInferenceRequest]:
+                        params: list[SamplingParams],
+                        plain: list[tuple] | None = None) -> list[DynamicInferenceRequest]:
+    """``spec_engine``'s run of the jobs, checked against the plain engine's (``plain``: its outputs, known)."""
     got = run(spec_engine, prompts, params)
-    assert outputs(got) == outputs(run(engine(tiny_llama, None), prompts, params))
+    assert outputs(got) == (plain if plain is not None else outputs(run(engine(tiny_llama, None), prompts, params)))
     counters, speculator = spec_engine.stats.counters, spec_engine.speculator
     assert counters["spec_decode_num_accepted_tokens"] > 0
     assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_accepted_tokens"]  # rejections too
@@ -80,9 +88,9 @@ def check_against_plain(tiny_llama: str, spec_engine: DynamicInferenceEngine, pr
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=["back_to_back", "transitions"])
-def test_overlapped_verify_steps_emit_the_plain_engines_tokens(tiny_llama, method, script):
+def test_overlapped_verify_steps_emit_the_plain_engines_tokens(tiny_llama, plain_mixed, method, script):
     spec = engine(tiny_llama, speculative(method, tiny_llama), script)
-    check_against_plain(tiny_llama, spec, *mixed_jobs(51))
+    check_against_plain(tiny_llama, spec, *mixed_jobs(51), plain=plain_mixed)
 
 
 def test_stop_tokens_and_length_limits_end_requests_mid_draft_with_a_verify_step_in_flight(tiny_llama):
@@ -177,7 +185,7 @@ def test_fallbacks_verify_with_the_step_before_read(tiny_llama):
         assert spec.speculator.overlapped_verify_steps == 0
 
 
-def test_control_without_the_device_correction_the_tokens_change(tiny_llama, monkeypatch):
+def test_control_without_the_device_correction_the_tokens_change(tiny_llama, plain_mixed, monkeypatch):
     """The control: with every shift forced to 0 (the next step planned as if every draft were accepted, left
     uncorrected) the same run emits other tokens, so the tests above see the correction at work."""
     launch = Speculator.launch_verify
@@ -189,7 +197,7 @@ def test_control_without_the_device_correction_the_tokens_change(tiny_llama, mon
     monkeypatch.setattr(Speculator, "launch_verify", uncorrected)
     jobs, params = mixed_jobs(51)
     spec = engine(tiny_llama, NGRAM, SCRIPTS[1])
-    assert outputs(run(spec, jobs, params)) != outputs(run(engine(tiny_llama, None), jobs, params))
+    assert outputs(run(spec, jobs, params)) != plain_mixed
     assert spec.speculator.overlapped_verify_steps > 0
 
 
