@@ -13,10 +13,16 @@ kernel's CPU that checks nothing. Without ``debug`` the sanitizing is switched o
 
 ``_get_np_dtype`` (a Triton type's NumPy storage type, asked at every cast, splat and load) builds its table of
 twenty types anew at each call; its answers are memoized per scalar type (a block's is its element's).
+
+Every op of the interpreted front end makes new ``block_type`` objects, and each one builds its shape as a
+``triton.language.tuple`` (with a type of its own), validates it and formats it into its name. A shape's tuple,
+element count and text are the same for every block of that shape: made once per shape, shared (the element
+type, and so the name, stays per block). A shape that is not plain ints takes the original path and its errors.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -28,6 +34,7 @@ _PATCHED: set[Callable[..., Any]] = set()
 def install() -> None:
     """Patch once per launch and helper; a no-op where triton is compiled (``TRITON_INTERPRET`` unset) or absent."""
     try:
+        import triton  # noqa: PLC0415
         from triton.runtime import interpreter  # noqa: PLC0415
     except ImportError:
         return
@@ -57,6 +64,8 @@ def install() -> None:
     if not options.debug:  # device_assert returns at once without debug: the sanitizer's checks are never asserted
         interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
     interpreter._get_np_dtype = _memoized_np_dtype(interpreter._get_np_dtype)
+    if triton.knobs.runtime.interpret:  # the compiler's front end (a GPU's) keeps its own block types
+        _share_block_shapes()
     call._patch_once = True
     interpreter.GridExecutor.__call__ = launch_once
     interpreter.InterpretedFunction.__call__ = call
@@ -76,3 +85,26 @@ def _memoized_np_dtype(np_dtype: Callable[[Any], Any]) -> Callable[[Any], Any]:
             known[scalar] = np_dtype(scalar)
         return known[scalar]
     return memoized
+
+
+def _share_block_shapes() -> None:
+    """``block_type.__init__`` that builds a shape's tuple, element count and text once per shape."""
+    from triton.language import core  # noqa: PLC0415 - only where triton is installed
+
+    init = core.block_type.__init__
+    known: dict[builtins.tuple[int, ...], builtins.tuple[Any, int, str]] = {}
+
+    @functools.wraps(init)
+    def block_type_init(self, element_ty, shape) -> None:
+        dims = builtins.tuple(core._unwrap_shape(shape)) if isinstance(shape, (list, core.tuple)) else ()
+        shared = known.get(dims) if dims and all(type(d) is int for d in dims) else None
+        if shared is None:  # the original, its checks and errors; a valid shape of ints is kept
+            init(self, element_ty, shape)
+            if dims and all(type(d) is int for d in dims):
+                known[dims] = (self.shape, self.numel, str(self.shape))
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, text = shared
+        self.name = f"<{text}, {element_ty}>"
+
+    core.block_type.__init__ = block_type_init
