@@ -2,8 +2,8 @@
 
 The device pool (24 blocks of 16 tokens) is smaller than the working set (six prompts of five cacheable blocks):
 sent again, the prompts find their prefixes in the host tier with texts and log probs ``==`` the first pass
-under ``--batch-invariant``; the same fleet without ``--kv-offloading-size`` finds few; after a refit none, and
-after vLLM's ``/reset_prefix_cache`` none either.
+under ``--batch-invariant``; the same engine without a tier (its settings, in this process: direct mode) finds few;
+after a refit none, and after vLLM's ``/reset_prefix_cache`` none either.
 
 One more fleet with a tier (``kept``, the module's) serves the rest. A stream in flight through pause, suspend
 with ``keep_kv``, resume and unpause ends as an uninterrupted one (texts and log probs ``==``), and the engines
@@ -30,7 +30,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from .conftest import admin_run, metric
+from megatron_serve.tokenizer import Tokenizer
+
+from .conftest import admin_run, metric, surface
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -39,6 +41,10 @@ ADMIN_KEY = "admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 BLOCK = 16
 ENGINE = 'engine_group="0",model_name="{model}"'
+
+
+#: :func:`fleet`'s engine settings (its flags), as ``InferenceConfig`` fields
+ENGINE_SETTINGS = {"num_kv_blocks": 24, "block_size_tokens": BLOCK, "max_requests": 2, "batch_invariant": True}
 
 
 @contextmanager
@@ -90,6 +96,21 @@ def two_passes(served: SimpleNamespace) -> tuple[list[dict], list[dict]]:
     return [complete(served, p) for p in batch], [complete(served, p) for p in batch]
 
 
+async def two_passes_without_a_tier(model: str) -> tuple[list[dict], list[dict]]:
+    """:func:`two_passes` on one engine of :func:`fleet`'s settings without a host tier, in this process (a fleet of
+    its own would add only processes to start)."""
+    async with surface(model, Tokenizer.from_pretrained(model), **ENGINE_SETTINGS) as (_, http):
+        passes: tuple[list[dict], list[dict]] = ([], [])
+        for answers in passes:
+            for prompt in prompts():
+                body = {"model": os.path.basename(model), "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                        "logprobs": 1, "ignore_eos": True}
+                answer = await http.post("/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                answers.append(answer.json())
+    return passes
+
+
 def cached(answers: list[dict]) -> list[int]:
     return [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
 
@@ -128,10 +149,9 @@ def test_prefixes_come_back_from_the_host_tier_bitwise_a_control_finds_few_a_ref
         after = [complete(served, p) for p in prompts()]
         assert cached(after) == [0] * 6 and [choice(a) for a in after] == [choice(a) for a in first]
 
-    with fleet(tiny_model, tmp_path_factory.mktemp("no-tier")) as control:
-        control_first, control_second = two_passes(control)
-        assert [choice(a) for a in control_first] == [choice(a) for a in first]
-        assert sum(cached(control_second)) <= 2 * 5 * BLOCK  # what the device pool still held
+    control_first, control_second = asyncio.run(two_passes_without_a_tier(tiny_model))
+    assert [choice(a) for a in control_first] == [choice(a) for a in first]
+    assert sum(cached(control_second)) <= 2 * 5 * BLOCK  # what the device pool still held
 
 
 @pytest.fixture(scope="module")
