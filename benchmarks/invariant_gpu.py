@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens; allowed on CPU")
+    parser.add_argument("--checkpoint", default=None,
+                        help="the shape's checkpoint that decode_roofline's build_checkpoint made already (kept): a "
+                             "caller that made it skips importing transformers' model classes here")
     args = parser.parse_args()
     name = "1b"
     if args.smoke:
@@ -99,7 +102,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     shape = LLAMA_SHAPES[name]
     with tempfile.TemporaryDirectory() as workdir:
-        model_dir = build_checkpoint(name, shape, Path(workdir), device)
+        model_dir = Path(args.checkpoint) if args.checkpoint else build_checkpoint(name, shape, Path(workdir), device)
         default = measure_mode(model_dir, shape, batches, args, device, invariant=False)
         mode = measure_mode(model_dir, shape, batches, args, device, invariant=True)
     print(f"{name} bf16 on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
