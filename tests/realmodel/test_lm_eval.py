@@ -27,7 +27,13 @@ LIMITS = {"megatron_facts_mc": 4, "megatron_facts_gen": 4}
 
 @pytest.fixture(scope="module")
 def parity():
-    with script_module("lm_eval_parity", SCRIPT) as module:
+    import lm_eval.evaluator  # noqa: PLC0415 - here, not in every worker's collection
+
+    with script_module("lm_eval_parity", SCRIPT) as module, pytest.MonkeyPatch.context() as patch:
+        # each simple_evaluate records the machine in its results (torch's collect_env: pip list, gcc, lscpu, ... as
+        # subprocesses, and git): ~1.2 s of CPU an evaluate, for results the test does not read (only the items)
+        patch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+        patch.setattr(lm_eval.evaluator, "get_git_commit_hash", lambda: None)
         yield module
 
 
