@@ -25,19 +25,25 @@ VARIANTS = {
 }
 
 
-def hf_greedy(model_dir, token_lists):
-    """Reference: transformers greedy generate, one prompt at a time (no padding effects)."""
+def hf_greedy(model_dir, token_lists, generated_lists):
+    """Reference: transformers' greedy choice and its log prob at each generated position, one prompt at a time (no
+    padding effects). One forward pass over the prompt and the engine's tokens gives every position's logits given
+    the engine's prefix: where the engine's tokens are transformers' argmax at every position, they are what
+    transformers' greedy ``generate`` makes, one step at a time (32 forward passes, and its per-step overhead, per
+    prompt). End of text is kept out of the argmax as ``generate``'s ``min_new_tokens`` does; the log probs are of
+    the raw logits, as its ``output_logits``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     results = []
-    for tokens in token_lists:
-        out = model.generate(
-            torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-        generated = out.sequences[0, len(tokens):].tolist()
-        log_probs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, generated)]
-        results.append((generated, log_probs))
+    for tokens, generated in zip(token_lists, generated_lists):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens + generated])).logits[0, len(tokens) - 1:-1].float()
+        choosable = logits.clone()
+        choosable[:, eos] = -float("inf")
+        chosen = choosable.argmax(-1).tolist()
+        log_probs = [torch.log_softmax(row, -1)[t].item() for row, t in zip(logits, chosen)]
+        results.append((chosen, log_probs))
     return results
 
 
@@ -49,7 +55,8 @@ def test_greedy_matches_transformers(variant, tmp_path):
     assert len({len(t) for t in token_lists}) > 4, "prompts must differ in length"
     outs = llm.generate(token_lists, SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS,
                                                     ignore_eos=True, return_log_probs=True))
-    for out, (expected_tokens, expected_log_probs) in zip(outs, hf_greedy(model_dir, token_lists)):
+    expected = hf_greedy(model_dir, token_lists, [out.generated_tokens for out in outs])
+    for out, (expected_tokens, expected_log_probs) in zip(outs, expected):
         assert out.generated_tokens == expected_tokens
         assert out.finish_reason.value == "length"
         assert out.generated_log_probs == pytest.approx(expected_log_probs, abs=1e-4)
