@@ -58,16 +58,28 @@ def _greedy(lora_name: str | None = None, tokens: int = NEW_TOKENS, **extra) -> 
                           lora_name=lora_name, **extra)
 
 
-def _reference(model, token_lists):
+def greedy_choices(model, token_lists, generated_lists, eos: list[int]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy choice and its log prob (raw logits, as ``generate``'s ``output_logits``) at each
+    generated position, one prompt at a time. One forward pass over the prompt and the engine's tokens gives every
+    position's logits given the engine's prefix: where the engine's tokens are the argmax at every position, they
+    are what greedy ``generate`` makes one step (one forward pass) at a time. ``eos`` is kept out of the argmax, as
+    ``generate``'s ``min_new_tokens`` does."""
     results = []
-    for tokens in token_lists:
-        out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        generated = out.sequences[0, len(tokens):].tolist()
-        results.append((generated, [torch.log_softmax(s[0].float(), -1)[t].item()
-                                    for s, t in zip(out.logits, generated)]))
+    for tokens, generated in zip(token_lists, generated_lists):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens + generated])).logits[0, len(tokens) - 1:-1].float()
+        choosable = logits.clone()
+        choosable[:, eos] = -float("inf")
+        chosen = choosable.argmax(-1).tolist()
+        results.append((chosen, [torch.log_softmax(row, -1)[t].item() for row, t in zip(logits, chosen)]))
     return results
+
+
+def _reference(model, token_lists, generated_lists):
+    """transformers + PEFT greedy with ``min_new_tokens``: end of text never chosen."""
+    eos = model.generation_config.eos_token_id
+    return greedy_choices(model, token_lists, generated_lists,
+                          [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
 
 
 def assert_adapter_matches_peft(engine: DynamicInferenceEngine, base, adapter_dir, name: str, reference) -> None:
@@ -77,7 +89,7 @@ def assert_adapter_matches_peft(engine: DynamicInferenceEngine, base, adapter_di
     token_lists = [engine.tokenizer.encode(p) for p in prompts]
     outs = run_requests(engine, [(p, _greedy(name)) for p in prompts])
     base_outs = run_requests(engine, [(p, _greedy()) for p in prompts])
-    expected = reference(peft_model(base, adapter_dir), token_lists)
+    expected = reference(peft_model(base, adapter_dir), token_lists, [o.generated_tokens for o in outs])
     for out, (tokens, log_probs) in zip(outs, expected):
         assert out.generated_tokens == tokens
         assert out.generated_log_probs == pytest.approx(log_probs, abs=1e-4)

@@ -7,14 +7,13 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter, peft_model
 from ..prompts import PROMPTS, run_requests
-from .test_lora_engine import NEW_TOKENS, _engine, _greedy, assert_adapter_matches_peft
+from .test_lora_engine import _engine, _greedy, assert_adapter_matches_peft, greedy_choices
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {  # name: (rank, target_modules, target_parameters)
@@ -24,18 +23,9 @@ ADAPTERS = {  # name: (rank, target_modules, target_parameters)
 }
 
 
-def _reference(model, token_lists):
+def _reference(model, token_lists, generated_lists):
     """transformers' greedy tokens and log probs, end of text included (the engine ignores it: ignore_eos)."""
-    model.generation_config.eos_token_id = None  # else min_new_tokens hides it from the argmax
-    results = []
-    for tokens in token_lists:
-        out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                             max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        generated = out.sequences[0, len(tokens):].tolist()
-        results.append((generated, [torch.log_softmax(s[0].float(), -1)[t].item()
-                                    for s, t in zip(out.logits, generated)]))
-    return results
+    return greedy_choices(model, token_lists, generated_lists, eos=[])
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
