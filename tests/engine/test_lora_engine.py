@@ -15,6 +15,7 @@ from megatron_serve.engine import DynamicInferenceEngine, scheduler
 from megatron_serve.model.lora.checkpoint import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..hf_greedy import greedy_choices
 from ..lora_adapters import make_peft_adapter, peft_model
 from ..prompts import PROMPTS, run_requests
 
@@ -58,28 +59,9 @@ def _greedy(lora_name: str | None = None, tokens: int = NEW_TOKENS, **extra) -> 
                           lora_name=lora_name, **extra)
 
 
-def greedy_choices(model, token_lists, generated_lists, eos: list[int]) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy choice and its log prob (raw logits, as ``generate``'s ``output_logits``) at each
-    generated position, one prompt at a time. One forward pass over the prompt and the engine's tokens gives every
-    position's logits given the engine's prefix: where the engine's tokens are the argmax at every position, they
-    are what greedy ``generate`` makes one step (one forward pass) at a time. ``eos`` is kept out of the argmax, as
-    ``generate``'s ``min_new_tokens`` does."""
-    results = []
-    for tokens, generated in zip(token_lists, generated_lists):
-        with torch.no_grad():
-            logits = model(torch.tensor([tokens + generated])).logits[0, len(tokens) - 1:-1].float()
-        choosable = logits.clone()
-        choosable[:, eos] = -float("inf")
-        chosen = choosable.argmax(-1).tolist()
-        results.append((chosen, [torch.log_softmax(row, -1)[t].item() for row, t in zip(logits, chosen)]))
-    return results
-
-
 def _reference(model, token_lists, generated_lists):
     """transformers + PEFT greedy with ``min_new_tokens``: end of text never chosen."""
-    eos = model.generation_config.eos_token_id
-    return greedy_choices(model, token_lists, generated_lists,
-                          [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    return greedy_choices(model, token_lists, generated_lists)
 
 
 def assert_adapter_matches_peft(engine: DynamicInferenceEngine, base, adapter_dir, name: str, reference) -> None:

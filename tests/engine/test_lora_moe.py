@@ -11,9 +11,10 @@ import pytest
 from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..hf_greedy import greedy_choices
 from ..lora_adapters import make_peft_adapter, peft_model
 from ..prompts import PROMPTS, run_requests
-from .test_lora_engine import _engine, _greedy, assert_adapter_matches_peft, greedy_choices
+from .test_lora_engine import _engine, _greedy, assert_adapter_matches_peft
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {  # name: (rank, target_modules, target_parameters)

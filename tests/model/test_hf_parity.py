@@ -9,6 +9,7 @@ import transformers
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..hf_greedy import greedy_choices
 from ..prompts import PROMPTS
 
 NEW_TOKENS = 32
@@ -26,25 +27,10 @@ VARIANTS = {
 
 
 def hf_greedy(model_dir, token_lists, generated_lists):
-    """Reference: transformers' greedy choice and its log prob at each generated position, one prompt at a time (no
-    padding effects). One forward pass over the prompt and the engine's tokens gives every position's logits given
-    the engine's prefix: where the engine's tokens are transformers' argmax at every position, they are what
-    transformers' greedy ``generate`` makes, one step at a time (32 forward passes, and its per-step overhead, per
-    prompt). End of text is kept out of the argmax as ``generate``'s ``min_new_tokens`` does; the log probs are of
-    the raw logits, as its ``output_logits``."""
+    """Reference: transformers' greedy choice and its log prob at each generated position
+    (:func:`tests.hf_greedy.greedy_choices`: one forward pass per prompt, not 32 ``generate`` steps)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    results = []
-    for tokens, generated in zip(token_lists, generated_lists):
-        with torch.no_grad():
-            logits = model(torch.tensor([tokens + generated])).logits[0, len(tokens) - 1:-1].float()
-        choosable = logits.clone()
-        choosable[:, eos] = -float("inf")
-        chosen = choosable.argmax(-1).tolist()
-        log_probs = [torch.log_softmax(row, -1)[t].item() for row, t in zip(logits, chosen)]
-        results.append((chosen, log_probs))
-    return results
+    return greedy_choices(model, token_lists, generated_lists)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
