@@ -26,6 +26,8 @@ from megatron_serve.wire.protocol import Header, Message, decode, encode
 from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
 
 if TYPE_CHECKING:
+    import pytest
+
     from megatron_serve.client.coordinator_client import InferenceClient
     from megatron_serve.wire.request import DynamicInferenceRequest
     from megatron_serve.wire.sampling_params import SamplingParams
@@ -42,6 +44,13 @@ def http_get(url: str, **kwargs: Any) -> httpx.Response:
 def http_post(url: str, **kwargs: Any) -> httpx.Response:
     """``httpx.post`` as :func:`http_get`."""
     return httpx.post(url, verify=False, **kwargs)
+
+
+def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this session that every xdist worker shares (their base directories' parent): where what one
+    worker makes once a session (under a ``FileLock``) waits for the others."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def free_port() -> int:

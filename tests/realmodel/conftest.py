@@ -22,7 +22,8 @@ from filelock import FileLock
 
 from megatron_serve import LLM
 
-from .shared import gguf_cache_home, shared_directory
+from ..helpers import shared_directory
+from .shared import gguf_cache_home
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

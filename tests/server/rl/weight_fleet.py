@@ -30,7 +30,7 @@ from filelock import FileLock
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
-from ...helpers import free_port
+from ...helpers import free_port, shared_directory
 from ...weights.forked import start_forked
 from ..conftest import admin_run, surface
 
@@ -68,8 +68,7 @@ def reference_texts(seed: int, model_dir: str, shared: Path) -> list[str]:
 def checkpoints(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("weight-routes")
     a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the session's, above the worker's
+    shared = shared_directory(tmp_path_factory)
     texts = SimpleNamespace(a=reference_texts(0, a, shared), b=reference_texts(1, b, shared))
     assert texts.a != texts.b
     return SimpleNamespace(a=a, b=b, texts=texts)
