@@ -52,6 +52,16 @@ def dot_width(n: int) -> int:
     return max(MIN_DOT_K, next_pow2(n))
 
 
+def min_dot_k(dtype: torch.dtype) -> int:
+    """The smallest reduction dimension a GPU's ``tl.dot`` takes on operands of ``dtype``: 32 for 8-bit (FP8
+    tensor cores), 16 for 16-bit, 8 for float32 (Triton's NVIDIA backend, ``min_dot_size``).
+
+    The interpreter takes any, so launchers check their tiles against this on every device: a tile a GPU
+    would refuse to compile fails the CPU tests too.
+    """
+    return {1: 32, 2: 16, 4: 8}[dtype.itemsize]
+
+
 def tile_budget(t: torch.Tensor) -> int:
     """Elements one program may hold in a 2-D/3-D tile: large under the interpreter, register-sized on GPU."""
     return 1 << 16 if interpreted(t) else 1 << 12

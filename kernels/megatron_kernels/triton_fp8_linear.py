@@ -13,7 +13,9 @@ Two kinds of GEMM, picked by the number of rows ``M`` (tokens) of the step:
   :func:`quantize_rows`, and the product runs on FP8 tensor cores at twice bf16's rate. Per-row
   weight scales go to ``torch._scaled_mm`` (cuBLASLt's row-wise scaled GEMM, Hopper and newer);
   block-wise scales, and GPUs or shapes cuBLASLt refuses, go to the Triton kernel here, which applies
-  both sides' scales per ``BLOCK_K`` step.
+  both sides' scales per ``BLOCK_K`` step. FP8 tensor cores take K tiles of 32 or more
+  (:func:`~megatron_kernels._triton_utils.min_dot_k`): scale blocks of 16 columns widen their e4m3 tiles
+  to float16 for the dot, and scale blocks whose columns no tile of 16 divides take the reference path.
 
 ``benchmarks/fp8.py`` times the weight-only kernel, ``torch._scaled_mm`` and the Triton FP8 x FP8
 kernel against bf16 on the 8B shapes, which is what these choices and ``WEIGHT_ONLY_MAX_ROWS`` rest on;
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import capability, fp8_native, interpreted, next_pow2, sm_count, to_e4m3
+from ._triton_utils import capability, fp8_native, interpreted, min_dot_k, next_pow2, sm_count, tl_dtype, to_e4m3
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Block, scale_shape
 
 WEIGHT_ONLY_MAX_ROWS = 64  # memory-bound below: an 8B layer at 64 rows does 128 FLOP per weight byte, H100 ~295
@@ -51,12 +53,14 @@ def _scaled_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """``out[split] = A[:, ks] @ (W[:, ks] * w_scale)^T`` over this program's share ``ks`` of K.
 
     ``A_FP8``: A is e4m3 too, with its own scales (per row, or per ``SCALE_BK`` group of a row), and the
     products run on FP8 tensor cores; else A is in the compute dtype and W is widened to it (weight-only).
+    ``DOT_DTYPE``: what both operands are in for ``tl.dot`` (e4m3 as they are, float16 holding e4m3 exactly,
+    the compute dtype, or float32 at IEEE precision).
     ``ROWWISE``: one scale per weight row (and per A row), applied once at the end; else the scales of
     the ``SCALE_BN`` x ``SCALE_BK`` block of each ``BLOCK_K`` step (BLOCK_K divides SCALE_BK).
     """
@@ -75,12 +79,10 @@ def _scaled_gemm_kernel(
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if A_FP8:
-            part = tl.dot(a, tl.trans(w))
-        elif FP32_DOT:
+        if DOT_DTYPE == tl.float32:
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(a, tl.trans(w.to(a.dtype)))
+            part = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
         if not ROWWISE:
             part = part * tl.load(w_scale_ptr + (cols // SCALE_BN) * stride_wsn + k0 // SCALE_BK, mask=col_mask,
                                   other=0.0)[None, :]
@@ -104,15 +106,18 @@ def _quantize_rows_kernel(
     M, K,
     stride_xm, stride_om, stride_sm,
     GROUP: tl.constexpr,
+    WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     STATIC: tl.constexpr,
     SOFTWARE_ROUNDING: tl.constexpr,
 ):
-    """One ``GROUP``-wide column group of ``BLOCK_M`` rows to e4m3, with its scale per row."""
+    """One ``GROUP``-wide column group of ``BLOCK_M`` rows to e4m3, with its scale per row (``WIDTH``: ``GROUP``
+    rounded up to a power of two, the tile's width)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offsets = tl.arange(0, WIDTH)
+    cols = group * GROUP + offsets
+    mask = (rows < M)[:, None] & ((cols < K) & (offsets < GROUP))[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_scale_ptr)
@@ -144,6 +149,23 @@ def _k_step(k: int, block: Block, limit: int) -> int:
     return max(step, 16)
 
 
+def _fp8_dot(k: int, block: Block) -> tuple[int, torch.dtype] | None:
+    """The FP8 x FP8 GEMM's K tile and the dtype its ``tl.dot`` takes, or None where no tile of 16 or more
+    columns divides the scale block's (then the reference path serves).
+
+    FP8 tensor cores take K tiles of 32 or more. Per-row scales take any tile (columns past K are masked);
+    a scale block of 16 columns gets tiles of 16 whose e4m3 operands are widened to float16, which holds
+    every e4m3 value exactly: the same products, summed in float32, on 16-bit tensor cores.
+    """
+    step = _k_step(k, block, 128)
+    fp8_k = min_dot_k(FP8_DTYPE)
+    if block is None:
+        return max(step, fp8_k), FP8_DTYPE
+    if block[1] % step:
+        return None
+    return step, FP8_DTYPE if step >= fp8_k else torch.float16
+
+
 def fp8_linear_weight_only(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Block,
                            bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
     """``x @ (W * scale)^T + bias`` with the weight widened in registers (the decode GEMM)."""
@@ -161,6 +183,9 @@ def fp8_linear_weight_only(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     block_k = _k_step(k, block, 128)
     if block is not None and block[1] % block_k:
         return reference.fp8_linear(x, weight, weight_scale, block, bias)
+    fp32_dot = cpu or x.dtype == torch.float32
+    # a GPU's dot is in x's dtype: check the tile against it here too, where the interpreter would take any
+    assert block_k >= min_dot_k(x.dtype), (block_k, x.dtype)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_k is None:
         want = 1 if cpu else triton.cdiv(2 * sm_count(x.device), tiles)
@@ -178,7 +203,7 @@ def fp8_linear_weight_only(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         A_FP8=False,
         HAS_BIAS=bias is not None and split_k == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP32_DOT=cpu or x.dtype == torch.float32,
+        DOT_DTYPE=tl.float32 if fp32_dot else tl_dtype(x.dtype),
         num_warps=4, num_stages=4 if not cpu else 1,
     )
     if split_k > 1:
@@ -200,14 +225,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch
     if m == 0:
         return quantized, scales
     width = next_pow2(group)
-    if width != group and group != k:
-        raise ValueError(f"activation groups of {group} columns: want a power of two")
     block_m = max(1, min(next_pow2(m), (1 << 14) // width))
     _quantize_rows_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, group))](
         x, quantized, scales, scales,
         m, k,
         x.stride(0), quantized.stride(0), 0 if static else scales.stride(0),
-        GROUP=width, BLOCK_M=block_m, STATIC=static, SOFTWARE_ROUNDING=interpreted(x),
+        GROUP=group, WIDTH=width, BLOCK_M=block_m, STATIC=static, SOFTWARE_ROUNDING=interpreted(x),
         num_warps=4,
     )
     return quantized, scales
@@ -221,6 +244,11 @@ def fp8_linear_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if input_scale is not None and block is not None:
         raise ValueError("a static activation scale goes with per-row weight scales, not block-wise ones")
     n, k = weight.shape
+    dot = _fp8_dot(k, block)
+    if dot is None:
+        return reference.fp8_linear(x, weight, weight_scale, block, bias)
+    block_k, dot_dtype = dot
+    assert block_k >= min_dot_k(dot_dtype), (block_k, dot_dtype)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     a, a_scale = quantize_rows(x2, None if block is None else block[1], input_scale)
@@ -232,7 +260,6 @@ def fp8_linear_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     cpu = interpreted(x)
     block_m = min(max(next_pow2(m), 16), 64 if cpu else 128)
     block_n = min(next_pow2(n), 128)
-    block_k = _k_step(k, block, 128)
     _scaled_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1)](
         a, a_scale, weight, weight_scale, bias if bias is not None else weight_scale, out,
         m, n, k, k,
@@ -243,7 +270,7 @@ def fp8_linear_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         A_FP8=True,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP32_DOT=False,
+        DOT_DTYPE=tl.float8e4nv if dot_dtype == FP8_DTYPE else tl_dtype(dot_dtype),
         num_warps=8 if block_m >= 128 else 4, num_stages=3 if not cpu else 1,
     )
     return out.view(*x.shape[:-1], n)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import fp8_native, interpreted, next_pow2
+from ._triton_utils import MIN_DOT_K, fp8_native, interpreted, next_pow2
 from .fp8 import Block
 from .triton_activation import silu_and_mul
 
@@ -188,7 +188,8 @@ def fused_moe(
     block: Block = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.fused_moe`."""
-    if w13_scale is not None and not fp8_native(hidden.device):
+    # A GPU's dot on 16-bit operands takes K tiles of 16 or more, and a tile must divide the scale block's K.
+    if w13_scale is not None and (not fp8_native(hidden.device) or block is not None and block[1] % MIN_DOT_K):
         return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
                                    block=block)
     num_tokens, hidden_size = hidden.shape

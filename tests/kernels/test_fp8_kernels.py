@@ -206,6 +206,7 @@ WEIGHT_CASES = [  # m, n, k, block, dtype, bias
     (5, 72, 64, (16, 16), torch.bfloat16, True),
     (33, 40, 96, (32, 32), torch.float32, False),  # ragged last tile of rows
     (3, 64, 128, (16, 64), torch.float32, True),
+    (2, 40, 96, (32, 48), torch.float32, False),  # scale blocks of 48 columns: tiles of 16, groups of 48
 ]
 
 
@@ -235,6 +236,23 @@ def test_fp8_gemm_matches_quantized_reference(m, n, k, block, dtype, bias):
     actual = fp8_linear_fp8_gemm(x, weight, scale, block, b).float()
     unquantized = reference.fp8_linear(x, weight, scale, block, b).float()
     assert (actual - unquantized).norm() / unquantized.norm() < 0.03
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (32, 32), (16, 64), (32, 48), (128, 128), (1, 24), (8, 8)])
+def test_fp8_gemm_tiles_compile_on_a_gpu(block):
+    """The FP8 x FP8 GEMM's K tile against a GPU's ``tl.dot`` rule (32 for e4m3 operands, 16 for float16), which
+    the interpreter does not check: a tile it picks must compile, and must hold one scale column."""
+    from megatron_kernels._triton_utils import min_dot_k
+    from megatron_kernels.triton_fp8_linear import _fp8_dot
+
+    for k in (16, 64, 96, 4096):
+        dot = _fp8_dot(k, block)
+        if dot is None:  # the reference path serves
+            assert block is not None and block[1] % 16
+            continue
+        block_k, dtype = dot
+        assert block_k >= min_dot_k(dtype) and dtype in (fp8.FP8_DTYPE, torch.float16)
+        assert block is None or block[1] % block_k == 0
 
 
 def test_static_activation_scale_and_scaled_mm():
