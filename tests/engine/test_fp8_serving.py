@@ -145,7 +145,10 @@ def test_fp8_kv_pool_holds_more_tokens_in_the_same_memory(tmp_path):
     bf16 = KVCachePool.bytes_per_block(32, 64, 8, head_dim, torch.bfloat16)
     assert bf16 / KVCachePool.bytes_per_block(32, 64, 8, head_dim, torch.bfloat16, fp8=True) > 1.9
     model_dir = make_tiny_model(tmp_path / "tiny", seed=2, head_dim=head_dim, num_heads=2, num_kv_heads=1)
-    budget = dict(dtype="bfloat16", block_size_tokens=16, kv_cache_memory_fraction=2e-4)
+    # The same memory for both pools: on CPU a fixed budget (sizing.CPU_KV_BUDGET_BYTES) times the fraction. A GPU's
+    # is the fraction of the device less what is in use (the CUDA context and, for the second engine, the first's
+    # pool), which a fraction small enough to stay under the pool's cap leaves below zero.
+    budget = dict(device="cpu", dtype="bfloat16", block_size_tokens=16, kv_cache_memory_fraction=2e-4)
     pools = {kv: MegatronLLM(str(model_dir), InferenceConfig(**budget, kv_cache_dtype=kv)).engine.kv_cache
              for kv in ("auto", "fp8")}
     assert pools["auto"].dtype == torch.bfloat16 and pools["fp8"].dtype == torch.float8_e4m3fn
