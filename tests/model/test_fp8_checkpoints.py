@@ -1,7 +1,8 @@
 """FP8 checkpoints as users download them: compressed-tensors (written by compressed-tensors itself) and the
 block-wise ``quant_method: "fp8"`` layout, dense, MoE and the text side of a vision-language model.
 
-On CPU the engine serves FP8 weights by dequantizing them (the reference path), so its tokens and log
+The engine serves FP8 weights here by dequantizing them (the reference path, forced on a GPU too, whose
+Triton path quantizes prefill activations: tests/engine/test_fp8_serving.py), so its tokens and log
 probs must equal, bit for bit, the engine's on the dequantized weights. transformers runs the same
 checkpoints on CPU by dequantizing too, but compressed-tensors also rounds every linear layer's input
 to e4m3 (fake-quantized activations): there the engine's greedy tokens must be transformers' own
@@ -44,6 +45,12 @@ FORMATS = {
     "block-fp8-mixtral": ("mixtral", lambda src, dst: block_fp8_checkpoint(src, dst, (32, 16))),
     "ct-FP8_DYNAMIC-qwen2_vl": ("qwen2_vl", lambda src, dst: compressed_tensors_checkpoint(src, dst, "FP8_DYNAMIC")),
 }
+
+
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    """Every engine here on the reference ops (resolved when its model is built), whatever the device."""
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
 
 
 @pytest.fixture(scope="module")
