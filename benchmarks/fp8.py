@@ -137,15 +137,19 @@ def kv_tokens(model, device: torch.device, kv: str, block_size: int) -> int:
     return tokens
 
 
-def serving_tokens_per_s(model_dir: Path, run_args: str, concurrency: int, output_tokens: int) -> float:
+def serving_tokens_per_s(model_dir: Path, run_args: str, concurrency: int, prompt_tokens: int, output_tokens: int,
+                         vocab_size: int) -> float:
+    """Output tokens/s of ``megatron-serve run`` (one engine) over ``4 * concurrency`` random prompts, ``concurrency``
+    at a time, after a warm-up of 4."""
     import serving  # noqa: PLC0415 - the sibling benchmark, for its stack and closed loop
 
     proc, url, _ = serving.start_stack(str(model_dir), 1, run_args)
     try:
         model = serving.httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        asyncio.run(serving.run_level(url, model, {}, serving.workload(4, 128, 32000, 99), 4, output_tokens))
-        prompts = serving.workload(4 * concurrency, 128, 32000, 1)
-        samples, elapsed = asyncio.run(serving.run_level(url, model, {}, prompts, concurrency, output_tokens))
+        warmup = serving.workload(4, prompt_tokens, output_tokens, vocab_size, "uniform", 99)
+        asyncio.run(serving.serve_level(url, model, {}, warmup, 4))
+        work = serving.workload(4 * concurrency, prompt_tokens, output_tokens, vocab_size, "uniform", 1)
+        samples, elapsed = asyncio.run(serving.serve_level(url, model, {}, work, concurrency))
         return sum(s.tokens for s in samples) / elapsed
     finally:
         serving.stop_stack(proc)
@@ -154,10 +158,13 @@ def serving_tokens_per_s(model_dir: Path, run_args: str, concurrency: int, outpu
 def run_targets(shape_name: str, device: torch.device, workdir: Path, batches: tuple[int, int, int],
                 prompt_len: int, new_tokens: int, serving_concurrency: int | None) -> list[tuple[str, float]]:
     from megatron_serve.model.loader import load_model  # noqa: PLC0415
+    from megatron_serve.model.tiny import tiny_tokenizer  # noqa: PLC0415
 
     shape = roofline.LLAMA_SHAPES[shape_name]
     block = 64 if device.type == "cuda" else 16
     model_dir = roofline.build_checkpoint(shape_name, shape, workdir, device)
+    if serving_concurrency:  # `megatron-serve run` needs a tokenizer: the tiny models', padded to the vocabulary
+        tiny_tokenizer(shape["vocab_size"]).save_pretrained(str(model_dir))
     results: list[tuple[str, float]] = []
     measured: dict[tuple[str, int, str], float] = {}
     for quantization in (None, "fp8"):
@@ -180,9 +187,10 @@ def run_targets(shape_name: str, device: torch.device, workdir: Path, batches: t
     results.append(("decode b256 fp8 KV", measured[("None", batches[2], "fp8")] / measured[("None", batches[2], "auto")]))
     if serving_concurrency:
         base_args = f"--dtype bfloat16 --max-requests {serving_concurrency}"
-        base = serving_tokens_per_s(model_dir, base_args, serving_concurrency, new_tokens)
+        base = serving_tokens_per_s(model_dir, base_args, serving_concurrency, prompt_len, new_tokens,
+                                    shape["vocab_size"])
         fast = serving_tokens_per_s(model_dir, f"{base_args} --quantization fp8 --kv-cache-dtype fp8",
-                                    serving_concurrency, new_tokens)
+                                    serving_concurrency, prompt_len, new_tokens, shape["vocab_size"])
         results.append(("serving c256", fast / base))
     return results
 

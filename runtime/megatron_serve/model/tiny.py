@@ -101,6 +101,21 @@ def with_placeholders(tokenizer: Any, vocab_size: int) -> Any:
     return Tokenizer.from_str(json.dumps(data))
 
 
+def tiny_tokenizer(vocab_size: int | None = None, tokenizer_vocab_size: int = 512) -> Any:
+    """The tiny models' tokenizer (``PreTrainedTokenizerFast``, ChatML template): ``tokenizer_vocab_size`` words
+    trained on the built-in corpus, padded with placeholders up to ``vocab_size`` (see :func:`make_tiny_model`).
+    Its ``<|begin_of_text|>`` and ``<|end_of_text|>`` are ids 0 and 1."""
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    trained = train_tokenizer(tokenizer_vocab_size)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=with_placeholders(trained, vocab_size) if vocab_size is not None else trained,
+        bos_token=BOS, eos_token=EOS, pad_token="<|pad|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def make_tiny_model(
     path: str | Path,
     seed: int = 0,
@@ -123,19 +138,13 @@ def make_tiny_model(
     """
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
     if arch not in ARCHITECTURE_NAMES:
         raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHITECTURE_NAMES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    trained = train_tokenizer(tokenizer_vocab_size)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=with_placeholders(trained, vocab_size) if vocab_size is not None else trained,
-        bos_token=BOS, eos_token=EOS, pad_token="<|pad|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
+    fast = tiny_tokenizer(vocab_size, tokenizer_vocab_size)
     if arch in VISION_ARCHITECTURES:
         from .vision.tiny import make_tiny_vision_model  # noqa: PLC0415
 
