@@ -1,6 +1,7 @@
 """Linear layers with FP8 weights: the GEMMs behind ``fp8_linear``, and the choice between them.
 
-Two kinds of GEMM, picked by the number of rows ``M`` (tokens) of the step:
+Where cuBLASLt's row-wise FP8 GEMM serves (per-row scales, bf16, Hopper and newer: ``_scaled_mm_fits``),
+it serves every step. Elsewhere, two kinds of GEMM, picked by the number of rows ``M`` (tokens) of the step:
 
 * **Weight-only** (``M <= WEIGHT_ONLY_MAX_ROWS``, decode): the FP8 weight tile is widened to the
   activations' dtype in registers, multiplied by the unquantized activations, and its scales applied
@@ -17,10 +18,11 @@ Two kinds of GEMM, picked by the number of rows ``M`` (tokens) of the step:
   (:func:`~megatron_kernels._triton_utils.min_dot_k`): scale blocks of 16 columns widen their e4m3 tiles
   to float16 for the dot, and scale blocks whose columns no tile of 16 divides take the reference path.
 
-``benchmarks/fp8.py`` times the weight-only kernel, ``torch._scaled_mm`` and the Triton FP8 x FP8
-kernel against bf16 on the 8B shapes, which is what these choices and ``WEIGHT_ONLY_MAX_ROWS`` rest on;
-this module was written on a machine without a GPU, so those figures are still to be taken (the
-weight-only kernel's case is the bandwidth argument above, the row-wise one cuBLASLt's maturity).
+``benchmarks/fp8.py gemm`` times the weight-only kernel, ``torch._scaled_mm`` and the Triton FP8 x FP8
+kernel against bf16 on the 8B shapes. On an H200 (eager calls) ``torch._scaled_mm`` beat the weight-only
+kernel on every projection at 16 and 64 rows (1.1-5x) and on three of four at 1 row, and the Triton
+FP8 x FP8 kernel at every row count; hence its place first. Both Triton kernels were slower than bf16
+at every size there (the FP8 x FP8 one 17-98x), which is still to be worked on.
 On GPUs without FP8 support the reference path serves (:func:`megatron_kernels._triton_utils.fp8_native`).
 """
 
@@ -302,9 +304,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """Triton-backend twin of :func:`megatron_kernels.reference.fp8_linear` (see the module docstring)."""
     if not fp8_native(x.device):
         return reference.fp8_linear(x, weight, weight_scale, block, bias, input_scale)
+    if _scaled_mm_fits(x, weight, block):
+        return fp8_linear_scaled_mm(x, weight, weight_scale, bias, input_scale)
     rows = x.numel() // max(x.shape[-1], 1)
     if rows <= WEIGHT_ONLY_MAX_ROWS:
         return fp8_linear_weight_only(x, weight, weight_scale, block, bias)
-    if _scaled_mm_fits(x, weight, block):
-        return fp8_linear_scaled_mm(x, weight, weight_scale, bias, input_scale)
     return fp8_linear_fp8_gemm(x, weight, weight_scale, block, bias, input_scale)
