@@ -69,7 +69,9 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
         rng = random.Random(setup.others)
         prompt = target_prompt()
         if setup.prefix_hit:
-            run_all(engine, [DynamicInferenceRequest("warm", None, prompt[:PREFIX] + [3], target_params(False))])
+            # its prompt's blocks are what it leaves: one generated token, not the target's 16 decode steps
+            warm = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
+            run_all(engine, [DynamicInferenceRequest("warm", None, prompt[:PREFIX] + [3], warm)])
         requests = []
         for index in range(setup.others):
             length = rng.randrange(3, 60)
