@@ -92,7 +92,8 @@ def test_a_data_parallel_fleet_with_pinned_k_serves_the_plain_engines_tokens(tin
     port = free_port()
     argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--coordinator-port", "0", "--engines", "2", "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128",
-            "--block-size", "16", "--speculative-config",
+            "--block-size", "16", "--health-port", "0",  # no probe port process: not what is tested
+            "--speculative-config",
             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}']
     log = tmp_path / "run.log"
     with open(log, "wb") as out:

@@ -32,7 +32,8 @@ ENGINES = 3
 def served(tiny_model, tmp_path_factory) -> Iterator[SimpleNamespace]:
     with admin_run(tiny_model, tmp_path_factory.mktemp("placement-run"), ADMIN_KEY, "--engines", str(ENGINES),
                    "--routing", "round_robin", "--batch-invariant", "--block-size", "16",
-                   "--session-affinity-ttl", "300", env=os.environ) as url:
+                   "--session-affinity-ttl", "300", "--health-port", "0",  # no probe port: not what is tested here
+                   env=os.environ) as url:
         with httpx.Client(base_url=url, timeout=120) as http:
             served = SimpleNamespace(http=http, model=os.path.basename(tiny_model))
             wait_engines(served, ENGINES)
