@@ -139,20 +139,24 @@ async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
         client.close()
 
 
-def test_control_cli_refit(fleet, checkpoints):
-    """``megatron-serve control refit`` prints the new epoch; refused while RUNNING with one clear line."""
+async def test_control_cli_refit(fleet, checkpoints):
+    """``megatron-serve control refit`` prints the new epoch; refused while RUNNING with one clear line. The pause
+    and unpause around it go from here (the CLI's own are tested in test_fleet: a process each cost more)."""
     base = [sys.executable, "-m", "megatron_serve.cli", "control"]
     where = ["--coordinator", fleet.address]
     env = {**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret}
-    refused = subprocess.run([*base, "refit", "--source", checkpoints.b, *where], capture_output=True, text=True,
-                             timeout=120, env=env)
-    assert refused.returncode != 0 and "PAUSE first" in refused.stderr
-    subprocess.run([*base, "pause", *where], check=True, capture_output=True, timeout=120, env=env)
-    out = subprocess.run([*base, "refit", "--source", checkpoints.b, "--json", *where], capture_output=True,
-                         text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    answer = json.loads(out.stdout)
-    assert answer["state"] == "PAUSED" and answer["detail"]["epoch"] == 6  # current + 1
-    text = subprocess.run([*base, "status", *where], capture_output=True, text=True, timeout=120, env=env)
-    assert "epoch: 6" in text.stdout
-    subprocess.run([*base, "unpause", *where], check=True, capture_output=True, timeout=120, env=env)
+
+    def control(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*base, *args, *where], capture_output=True, text=True, timeout=120, env=env)
+
+    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
+        refused = await asyncio.to_thread(control, "refit", "--source", checkpoints.b)
+        assert refused.returncode != 0 and "PAUSE first" in refused.stderr
+        await client.pause()
+        out = await asyncio.to_thread(control, "refit", "--source", checkpoints.b, "--json")
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["state"] == "PAUSED" and answer["detail"]["epoch"] == 6  # current + 1
+        text = await asyncio.to_thread(control, "status")
+        assert "epoch: 6" in text.stdout
+        await client.unpause()
