@@ -137,7 +137,9 @@ async def ready(client: InferenceClient, groups: int) -> None:
         engines = (await client.status())["engines"]
         return len(engines) == groups and all(e["progress"] is not None for e in engines)
 
-    await until(all_there, 300, f"{groups} engine groups to serve")
+    # a quarter second apart: the fleet's start takes a minute or more of a loaded machine, and each STATUS costs the
+    # client and coordinator CPU that the engines' start needs
+    await until(all_there, 300, f"{groups} engine groups to serve", interval=0.25)
 
 
 async def group_tokens(client: InferenceClient) -> dict[int, int]:
@@ -163,7 +165,8 @@ async def assert_serves(client: InferenceClient, expected: list[list[int]], epoc
             now = await group_tokens(client)
             return now if sum(now.values()) - sum(before.values()) >= len(PROMPTS) * 8 else None
 
-        now = await until(counted, 60, "the engines' heartbeats to count the tokens")
+        # heartbeats come once a second: polling faster only costs STATUS requests
+        now = await until(counted, 60, "the engines' heartbeats to count the tokens", interval=0.1)
         if all(now[group] > first[group] for group in range(groups)):
             return
     raise AssertionError(f"not every engine group served: tokens per group {first} before, {now} after")
