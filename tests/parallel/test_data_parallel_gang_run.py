@@ -2,7 +2,8 @@
 ranks (two engine processes sharing the experts), shown rank by rank by ``control status``. A rank's engine SIGKILLed
 with streams in flight (rank 0, which also hosts the group's rendezvous): the other rank and every worker are ended,
 the gang starts again on a fresh rendezvous, the coordinator resubmits the gang's requests, and every stream ends
-with the text and tokens of an uninterrupted run (greedy, tiny Qwen3-MoE, float32)."""
+with the text and tokens of an uninterrupted run (greedy, tiny Qwen3-MoE, float32: the checkpoint's dtype, and the
+CPU default; no ``--dtype``, which would make ``run``'s server import torch to resolve it, some 2 CPU-s)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
     model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
                                 num_experts=16, num_experts_per_tok=4))
     logs = tmp_path / "logs"
-    stack = start_run(model, tmp_path / "run", "--data-parallel-size", "2", "--enable-expert-parallel", "--dtype",
-                      "float32", "--log-dir", str(logs), engines=1)
+    stack = start_run(model, tmp_path / "run", "--data-parallel-size", "2", "--enable-expert-parallel", "--log-dir",
+                      str(logs), engines=1)
     try:
         await stack.wait_engines(2, timeout=300)
         status = stack.control("status")
