@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # the Triton-kernel setting runs the kernels 
 
 from megatron_serve.config import resolve_dtype  # noqa: E402
 
+from ..helpers import shared_directory  # noqa: E402
 from .compare import TALLIES, Tally  # noqa: E402
 from .engine_runs import Placement  # noqa: E402
 from .models import CASES_PER_MODEL, LoadedModel, ModelPool  # noqa: E402
@@ -96,4 +97,6 @@ def parity(pytestconfig: pytest.Config) -> Parity:
 
 @pytest.fixture(scope="session")
 def model_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelPool]:
-    yield ModelPool(tmp_path_factory.mktemp("parity-models"))
+    root = shared_directory(tmp_path_factory) / "parity-models"  # the searches' workers write each model once
+    root.mkdir(exist_ok=True)
+    yield ModelPool(root)

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from filelock import FileLock
 
 from megatron_serve import InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine
@@ -213,8 +216,8 @@ class LoadedModel:
 
         moe = self.spec.arch in MOE_ARCHITECTURES
         targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else None
-        return make_peft_adapter(self.directory, self.directory / "lora-adapter", rank=4, seed=self.spec.seed,
-                                 targets=targets)
+        return written_once(self.directory / "lora-adapter", lambda scratch: make_peft_adapter(
+            self.directory, scratch, rank=4, seed=self.spec.seed, targets=targets))
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -235,8 +238,21 @@ class LoadedModel:
         return load.from_pretrained(self.directory)
 
 
+def written_once(directory: Path, write: Callable[[Path], Any]) -> Path:
+    """``directory``, written by ``write`` into a scratch directory and renamed (whole or absent) by the first
+    process that asks for it, under a lock: the session's xdist workers share the models (every seed writes the
+    same files) instead of writing each its own copy."""
+    with FileLock(f"{directory}.lock"):
+        if not directory.is_dir():
+            scratch = directory.with_name(f"{directory.name}.{os.getpid()}")
+            write(scratch)
+            scratch.rename(directory)
+    return directory
+
+
 class ModelPool:
-    """Models by seed: written once per session, the last few kept loaded."""
+    """Models by seed: written once per session (in a directory the session's workers share), the last few kept
+    loaded."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -249,7 +265,7 @@ class ModelPool:
             return self._loaded[seed]
         spec = draw_model(seed)
         if seed not in self._written:
-            self._written[seed] = write_model(spec, self.root / f"model-{seed}")
+            self._written[seed] = written_once(self.root / f"model-{seed}", lambda scratch: write_model(spec, scratch))
         self._loaded[seed] = LoadedModel(spec, self._written[seed])
         while len(self._loaded) > LOADED_MODELS:
             self._loaded.popitem(last=False)
