@@ -57,6 +57,10 @@ def quantize(weight: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Te
     """``(fp8 weight, float32 scales)`` of a floating-point weight ``[..., N, K]``: each row (or tile)
     scaled so that its largest magnitude becomes 448."""
     rows, columns = weight.shape[-2:]
+    if weight.is_meta:  # shapes only (a refit's verify step): the meta ops' Python references import torch._dynamo
+        scale_rows, scale_columns = scale_shape(rows, columns, block)  # (2 s of CPU in each engine rank)
+        return (torch.empty(weight.shape, dtype=FP8_DTYPE, device="meta"),
+                torch.empty((*weight.shape[:-2], scale_rows, scale_columns), dtype=torch.float32, device="meta"))
     w = weight.float()
     if block is None:
         amax = w.abs().amax(dim=-1, keepdim=True)
