@@ -199,10 +199,6 @@ class DynamicInferenceEngine:
         :class:`~megatron_serve.tokenizer.Vocabulary`, without ``transformers`` (an engine process, which makes no
         text), instead of the whole tokenizer that the caller's process makes text with."""
         config = config or InferenceConfig()
-        if config.world_size > 1:  # a rank's process re-running its parent's script: told before loading anything
-            from .group.spawn import refuse_reimported_main  # noqa: PLC0415
-
-            refuse_reimported_main()
         model_config = ModelConfig.from_dir(model_dir)
         files = tokenizer_dir or model_dir
         tokenizer = TokenizerFiles.from_dir(files) if vocabulary_only else Tokenizer.from_pretrained(files)
