@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
 import zmq
+from filelock import FileLock
 
 from megatron_serve.fleet.argv import TOKEN_ENV
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
@@ -51,6 +52,18 @@ def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     worker makes once a session (under a ``FileLock``) waits for the others."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def written_once(directory: Path, write: Callable[[Path], Any]) -> Path:
+    """``directory``, written by ``write`` into a scratch directory and renamed into place (whole or absent, should
+    a worker die while writing) by the first process that asks for it, under a lock: what the session's xdist
+    workers would each write the same (in :func:`shared_directory`) is written once."""
+    with FileLock(f"{directory}.lock"):
+        if not directory.is_dir():
+            scratch = directory.with_name(f"{directory.name}.{os.getpid()}")
+            write(scratch)
+            scratch.rename(directory)
+    return directory
 
 
 def free_port() -> int:

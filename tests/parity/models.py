@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from filelock import FileLock
 
 from megatron_serve import InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.model.tiny import ARCHITECTURE_NAMES, VISION_ARCHITECTURES, make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
+
+from ..helpers import written_once
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MAX_POSITIONS = 512
@@ -236,18 +235,6 @@ class LoadedModel:
         """LLaVA's processor, or Qwen-VL's image processor (its processor object needs torchvision)."""
         load = transformers.AutoProcessor if self.spec.arch == "llava" else transformers.AutoImageProcessor
         return load.from_pretrained(self.directory)
-
-
-def written_once(directory: Path, write: Callable[[Path], Any]) -> Path:
-    """``directory``, written by ``write`` into a scratch directory and renamed (whole or absent) by the first
-    process that asks for it, under a lock: the session's xdist workers share the models (every seed writes the
-    same files) instead of writing each its own copy."""
-    with FileLock(f"{directory}.lock"):
-        if not directory.is_dir():
-            scratch = directory.with_name(f"{directory.name}.{os.getpid()}")
-            write(scratch)
-            scratch.rename(directory)
-    return directory
 
 
 class ModelPool:

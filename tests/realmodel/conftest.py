@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +17,10 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from filelock import FileLock
 
 from megatron_serve import LLM
 
-from ..helpers import shared_directory
+from ..helpers import shared_directory, written_once
 from .shared import gguf_cache_home
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,19 +73,17 @@ def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, 
     """transformers' own GGUF load of the same file, and its tokenizer: loaded from the file by the session's first
     worker, which saves what it loaded (the float32 tensors as safetensors: the same numbers; ``save_pretrained``
     refuses a model loaded from GGUF), and loaded back from that save by every worker."""
-    saved = shared_directory(tmp_path_factory) / "smollm2-transformers"
-    with FileLock(f"{saved}.lock"):
-        if not (saved / "config.json").is_file():
-            with read_once():
-                model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                                          dtype=torch.float32)
-                tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-            scratch = saved.with_name(f"{saved.name}.{os.getpid()}")
-            tokenizer.save_pretrained(scratch)
-            model.generation_config.save_pretrained(scratch)
-            safetensors.torch.save_model(model, str(scratch / "model.safetensors"))
-            model.config.save_pretrained(scratch)
-            scratch.rename(saved)  # whole or absent, should a worker die while saving
+    def save(scratch: Path) -> None:
+        with read_once():
+            model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                                      dtype=torch.float32)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+        tokenizer.save_pretrained(scratch)
+        model.generation_config.save_pretrained(scratch)
+        safetensors.torch.save_model(model, str(scratch / "model.safetensors"))
+        model.config.save_pretrained(scratch)
+
+    saved = written_once(shared_directory(tmp_path_factory) / "smollm2-transformers", save)
     # from_pretrained, not from_config and load_model: the same tensors, tied and generation config, without the
     # random initialisation of every weight that the load overwrites (~3.5 s of CPU per worker)
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
