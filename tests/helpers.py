@@ -101,21 +101,27 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str, interva
 
 
 def rank_processes(engine_pid: int) -> list[int]:
-    """The tensor-parallel ranks an engine process started: the children of its multiprocessing fork server (which
-    engine/group/spawn.py forks every rank from), whose command line they share."""
+    """The tensor-parallel ranks an engine process started (engine/group/spawn.py): its own children, forked from it,
+    or where it used multiprocessing's fork server, that server's children (whose command line they share)."""
     def children(pid: int) -> list[int]:
         try:
             return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
         except OSError:
             return []
 
-    def forkserver(pid: int) -> bool:
+    def command(pid: int) -> bytes:
         try:
-            return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
-            return False
+            return b""
 
-    return [rank for server in children(engine_pid) if forkserver(server) for rank in children(server)]
+    ranks = []
+    for child in children(engine_pid):
+        if b"multiprocessing.forkserver" in command(child):
+            ranks += children(child)
+        elif command(child) == command(engine_pid):
+            ranks.append(child)
+    return ranks
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

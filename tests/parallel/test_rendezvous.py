@@ -11,9 +11,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_serve.config import InferenceConfig
-from megatron_serve.engine.group.placement import Placement, host_store, join_group, placement_for
+from megatron_serve.engine.group.placement import Placement, host_store, join_group, placement_for, reserve_rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,10 +23,14 @@ def test_ranks_on_this_machine_meet_at_a_port_the_kernel_gave_rank_zero(monkeypa
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     local = placement_for(2)
     assert local.master_port == 0  # nothing picked yet: no window in which another process can take it
-    store, placement = host_store(local)
-    assert placement.master_port == store.port > 0
-    with socket.socket() as probe:  # the store listens there already
+    listener, placement = reserve_rendezvous(local)
+    assert placement.master_port > 0
+    with socket.socket() as probe:  # bound and listening already, before any rank starts
         probe.connect((placement.master_addr, placement.master_port))
+    store = host_store(listener, placement)
+    assert store.port == placement.master_port
+    store.set("probe", "served")
+    assert dist.TCPStore(placement.master_addr, placement.master_port, 2, is_master=False).get("probe") == b"served"
 
 
 def test_a_taken_port_fails_at_once_and_says_so():

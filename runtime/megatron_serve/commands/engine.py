@@ -142,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
     # (a single-rank engine: a group's followers may never talk to the coordinator)
     refusal = RefusalWatch(address, fleet_secret(token), refused) if config.world_size == 1 else None
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
+    from ..engine.group.spawn import fork_ranks_here  # noqa: PLC0415
+
+    fork_ranks_here()  # this process's own __main__, and no thread yet when a group starts
     from ..engine.process.loop import run_engine_process  # noqa: PLC0415
 
     def make_engine() -> DynamicInferenceEngine:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -93,12 +94,19 @@ def check_local_devices(placement: Placement, device_type: str) -> None:
 
 
 
-def host_store(placement: Placement) -> tuple[dist.TCPStore, Placement]:
-    """Rank 0's rendezvous store on a port the kernel picks, and the placement that names it: a port picked free and
-    bound later could be taken in between (a test's rank 0 met EADDRINUSE so)."""
-    store = dist.TCPStore(placement.master_addr, 0, placement.world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-    return store, replace(placement, master_port=store.port)
+def reserve_rendezvous(placement: Placement) -> tuple[socket.socket, Placement]:
+    """Rank 0's rendezvous port, bound and listening now on a port the kernel picks, and the placement that names it:
+    a port picked free and bound later could be taken in between (a test's rank 0 met EADDRINUSE so). A socket, not
+    yet the store: the store's server thread would be running when the ranks are forked (:func:`host_store`)."""
+    listener = socket.create_server((placement.master_addr, 0), backlog=max(128, placement.world_size))
+    return listener, replace(placement, master_port=listener.getsockname()[1])
+
+
+def host_store(listener: socket.socket, placement: Placement) -> dist.TCPStore:
+    """Rank 0's rendezvous store, serving on the socket :func:`reserve_rendezvous` bound (the store owns it now)."""
+    return dist.TCPStore(placement.master_addr, placement.master_port, placement.world_size, is_master=True,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                         master_listen_fd=listener.detach())
 
 
 def join_group(placement: Placement, rank: int, device: torch.device, config: InferenceConfig,

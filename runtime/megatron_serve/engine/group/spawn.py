@@ -6,7 +6,11 @@ The ranks come from multiprocessing's fork server, which imports torch and the f
 and forks every rank from there: a fresh interpreter per rank spent most of its start importing torch, again for each
 rank and again for each group a process starts. A fork server starts clean (nothing has run on its threads), so
 forking it is as safe as spawning; each rank still imports the parent's ``__main__`` as a spawned one would, and takes
-rank 0's environment as it is when the rank starts (the fork server keeps the one it started with)."""
+rank 0's environment as it is when the rank starts (the fork server keeps the one it started with).
+
+The ``engine`` command's process forks its ranks itself instead (:func:`fork_ranks_here`): its ``__main__`` is the
+command's, and when its group starts nothing has run in it but argument parsing and logging, so the fork server's
+interpreter and its torch import (most of a rank's start) buy nothing there."""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import multiprocessing.connection
 import multiprocessing.synchronize
 import os
 import sys
+import socket
 import tempfile
+import threading
 import time
 
 import torch
@@ -26,7 +32,7 @@ from ...model.parallel import TensorParallel
 from .channel import PlanChannel
 from .follower import run_worker
 from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, data_parallel_placement, host_store,
-                        join_group, placement_for, rank_device)
+                        join_group, placement_for, rank_device, reserve_rendezvous)
 
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
 REIMPORTED_MAIN_EXIT = 3
@@ -38,6 +44,25 @@ GUARD_HINT = ("a script that builds a tensor-parallel engine (LLM(..., tensor_pa
 #: What the fork server imports before it forks a rank: what every rank would import first.
 PRELOAD = ["torch", "torch.distributed", "megatron_serve.engine.group.follower"]
 
+_fork_here = False
+
+
+def fork_ranks_here() -> None:
+    """This process forks its group's ranks itself from now on (the ``engine`` command's, see the module's note).
+    Where a thread or CUDA has started by the time the group starts, the ranks still come from the fork server: a
+    fork copies no other thread, so a lock one held would stay held in the rank for good."""
+    global _fork_here  # noqa: PLW0603 - a process's start method, as multiprocessing's own
+    _fork_here = True
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """How this process starts its ranks: forked from it (:func:`fork_ranks_here`), else from the fork server."""
+    if _fork_here and threading.active_count() == 1 and not torch.cuda.is_initialized():
+        return multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts: once a process
+    short_socket_directory()
+    return context
 
 
 def abandon_group(workers: list[multiprocessing.Process]) -> None:
@@ -70,13 +95,14 @@ def refuse_reimported_main() -> None:
         os._exit(REIMPORTED_MAIN_EXIT)
 
 
-def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
+def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement,
+                        listener: socket.socket | None = None) -> list[multiprocessing.Process]:
     """Start this machine's ranks other than rank 0 as child processes; returns once each has started (reached
-    :func:`run_worker`), and raises at once when one exits before it did."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # read when the server starts: once a process
-    short_socket_directory()
+    :func:`run_worker`), and raises at once when one exits before it did. ``listener``: rank 0's rendezvous socket,
+    which a forked rank closes (it is rank 0's to serve)."""
+    context = rank_context()
     environment = dict(os.environ)
+    inherited = (listener.fileno(),) if listener is not None and context.get_start_method() == "fork" else ()
     workers, started = [], []
     for index in range(placement.local_count):
         rank = placement.first_local_rank + index
@@ -84,7 +110,8 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
             continue
         event = context.Event()
         process = context.Process(target=run_forked_worker,
-                                  args=(environment, model_dir, config.to_dict(), placement, rank, index, event),
+                                  args=(environment, inherited, model_dir, config.to_dict(), placement, rank, index,
+                                        event),
                                   name=f"megatron-tp-rank-{rank}", daemon=True)
         process.start()
         workers.append(process)
@@ -122,10 +149,14 @@ def short_socket_directory() -> None:
         tempfile.tempdir = saved
 
 
-def run_forked_worker(environment: dict[str, str], model_dir: str, config_dict: dict, placement: Placement, rank: int,
-                      local_index: int, started: multiprocessing.synchronize.Event) -> None:
-    """A rank forked from the fork server: rank 0's environment of now (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``,
-    ``MASTER_ADDR``... are read after this), then :func:`.follower.run_worker`."""
+def run_forked_worker(environment: dict[str, str], inherited: tuple[int, ...], model_dir: str, config_dict: dict,
+                      placement: Placement, rank: int, local_index: int, started: multiprocessing.synchronize.Event
+                      ) -> None:
+    """A forked rank: rank 0's environment of now (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, ``MASTER_ADDR``...
+    are read after this; the fork server's is the one it started with), without rank 0's ``inherited`` sockets, then
+    :func:`.follower.run_worker`."""
+    for descriptor in inherited:
+        os.close(descriptor)
     os.environ.clear()
     os.environ.update(environment)
     run_worker(model_dir, config_dict, placement, rank, local_index, started)
@@ -153,13 +184,23 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
     dp = config.data_parallel_size > 1
     placement = data_parallel_placement(config) if dp else placement_for(config.world_size)
     check_local_devices(placement, torch.device(config.device).type)
-    store, placement = host_store(placement) if placement.master_port == 0 else (None, placement)
-    workers = spawn_local_workers(model_dir, config, placement)
+    listener, placement = reserve_rendezvous(placement) if placement.master_port == 0 else (None, placement)
+    try:
+        workers = spawn_local_workers(model_dir, config, placement, listener)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     if not placement.hosts_rank_zero and not dp:
         # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.
         for worker in workers:
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
+    try:
+        store = host_store(listener, placement) if listener is not None else None
+        tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
+    except BaseException:
+        abandon_group(workers)
+        raise
     return tp, channel, device, workers
