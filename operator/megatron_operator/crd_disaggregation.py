@@ -11,14 +11,13 @@ The engine groups of a disaggregated resource are the runtime's ``run --prefill-
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
+
+from .crd_rules import CelCheck, one_rank_groups_rule
 
 MAX_REPLICAS = 256
 #: A group's role in the status -> the engine's ``kv_role`` (vLLM's names; megatron_serve.fleet.argv.KV_ROLES).
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-CelCheck = Callable[[dict[str, Any]], bool]
 
 
 def _replicas(description: str) -> dict[str, Any]:
@@ -73,14 +72,6 @@ def _sum_rule(spec: dict[str, Any]) -> bool:
     return int(spec.get("parallelism", {}).get("data", 1)) == int(dis["prefillReplicas"]) + int(dis["decodeReplicas"])
 
 
-def _one_rank_rule(spec: dict[str, Any]) -> bool:
-    engine = spec.get("engine", {})
-    if "disaggregation" not in engine:
-        return True
-    old, new = spec.get("parallelism", {}), engine.get("parallelism", {"tensor": 1, "pipeline": 1})
-    return all(int(par.get("tensor", 1)) * int(par.get("pipeline", 1)) == 1 for par in (old, new))
-
-
 # (schema path, CEL rule, message, python twin); see crd.CEL_RULES
 CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     (
@@ -91,13 +82,7 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "(the engine groups are the prefill and the decode engines)",
         _sum_rule,
     ),
-    (
-        "spec",
-        "!has(self.engine.disaggregation) || (self.parallelism.tensor * self.parallelism.pipeline == 1 "
-        "&& (!has(self.engine.parallelism) || self.engine.parallelism.tensor * self.engine.parallelism.pipeline "
-        "== 1))",
-        "engine.disaggregation needs engine groups of one rank: tensor and pipeline parallelism must be 1 (each "
-        "rank would hold a part of the KV; the engine refuses a role with them)",
-        _one_rank_rule,
-    ),
+    one_rank_groups_rule("disaggregation", "engine.disaggregation needs engine groups of one rank: tensor and "
+                                           "pipeline parallelism must be 1 (each rank would hold a part of the KV; "
+                                           "the engine refuses a role with them)"),
 ]

@@ -20,8 +20,9 @@ through (:mod:`megatron_operator.kv_node` renders both).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
+
+from .crd_rules import CelCheck, one_rank_groups_rule
 
 #: The engines' ZeroMQ port for KV events unless kvEvents.port says otherwise (vLLM's default endpoint's).
 KV_EVENTS_PORT = 5557
@@ -29,8 +30,6 @@ RENDEZVOUS_PORT = 29500  # names.RENDEZVOUS_PORT: the engines' own port, which k
 
 #: The engines' --kv-on-refit values (megatron_serve.wire.lifecycle.KV_ON_REFIT; a test keeps them equal).
 KV_ON_REFIT = ["recompute", "keep"]
-
-CelCheck = Callable[[dict[str, Any]], bool]
 
 
 def kv_tier_fields() -> dict[str, dict[str, Any]]:
@@ -93,14 +92,6 @@ def _prefix_caching_rule(engine: dict[str, Any]) -> bool:
     return "kvOffloadingSize" not in engine or bool(engine.get("kvCache", {}).get("prefixCaching", True))
 
 
-def _one_rank_rule(spec: dict[str, Any]) -> bool:
-    engine = spec.get("engine", {})
-    if "kvOffloadingSize" not in engine:
-        return True
-    old, new = spec.get("parallelism", {}), engine.get("parallelism", {"tensor": 1, "pipeline": 1})
-    return all(int(par.get("tensor", 1)) * int(par.get("pipeline", 1)) == 1 for par in (old, new))
-
-
 def events_status_schema() -> dict[str, Any]:
     """``status.kvEvents``: where a gateway's indexer subscribes (absent without ``spec.engine.kvEvents``)."""
     return {"type": "object", "description": "Where the engines publish their KV events (spec.engine.kvEvents).",
@@ -133,15 +124,9 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "engine.kvOffloadingSize needs engine.kvCache.prefixCaching (the host tier holds cached prefix blocks)",
         _prefix_caching_rule,
     ),
-    (
-        "spec",
-        "!has(self.engine.kvOffloadingSize) || (self.parallelism.tensor * self.parallelism.pipeline == 1 "
-        "&& (!has(self.engine.parallelism) || self.engine.parallelism.tensor * self.engine.parallelism.pipeline "
-        "== 1))",
-        "engine.kvOffloadingSize needs engine groups of one rank: tensor and pipeline parallelism must be 1 (the "
-        "engine refuses the host tier with them)",
-        _one_rank_rule,
-    ),
+    one_rank_groups_rule("kvOffloadingSize", "engine.kvOffloadingSize needs engine groups of one rank: tensor and "
+                                             "pipeline parallelism must be 1 (the engine refuses the host tier with "
+                                             "them)"),
     (
         "spec.engine",
         "!has(self.kvDiskTier) || has(self.kvOffloadingSize)",
