@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 import time
 from typing import Callable
@@ -33,12 +34,10 @@ class InProcessFleet:
                  weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
                  insecure: bool = False) -> None:
         self.token = None if insecure else make_secret()
-        self.insecure = insecure
-        self.routing = routing
-        self.heartbeat_timeout = heartbeat_timeout
-        self.verb_timeout = verb_timeout
-        self.weights_timeout = weights_timeout
-        self.stall_timeout = stall_timeout
+        # the coordinator's settings, kept for each (re)start on the same port
+        self.new_coordinator: Callable[..., Coordinator] = functools.partial(
+            Coordinator, token=self.token, insecure=insecure, routing=routing, heartbeat_timeout=heartbeat_timeout,
+            verb_timeout=verb_timeout, weights_timeout=weights_timeout, stall_timeout=stall_timeout)
         self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
         self.coordinator: Coordinator | None = None
         self.thread: threading.Thread | None = None
@@ -54,10 +53,7 @@ class InProcessFleet:
         """
         deadline = time.monotonic() + timeout
         while True:
-            self.coordinator = Coordinator(port=self.port, token=self.token, insecure=self.insecure,
-                                           routing=self.routing,
-                                           heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
-                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout)
+            self.coordinator = self.new_coordinator(port=self.port)
             try:
                 self.address = self.coordinator.bind()
                 break
