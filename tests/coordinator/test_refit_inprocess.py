@@ -8,7 +8,9 @@ started from another model (a rolling replacement) is flagged, not synced.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,6 +20,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
 from ..helpers import until
+from ..inprocess_fleet import InProcessFleet
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,6 +62,15 @@ def add(fleet, fake: FakeEngine, model: str | None = None) -> FakeEngine:
     return fake
 
 
+@contextlib.asynccontextmanager
+async def paused(fleet: InProcessFleet, engines: int) -> AsyncIterator[InferenceClient]:
+    """A client of ``fleet`` once ``engines`` engines registered, the fleet paused (where a refit may start)."""
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
+        await client.wait_for_engines(engines, timeout=20, poll=0.02)
+        await client.pause()
+        yield client
+
+
 async def status_when(client: InferenceClient, check, what: str) -> dict:
     async def probe():
         status = await client.status()
@@ -84,9 +96,7 @@ async def test_refit_is_refused_while_running_and_without_engines(fleet_factory)
 async def test_a_source_one_engine_refuses_is_loaded_by_none(fleet_factory):
     fleet = fleet_factory()
     good, picky = add(fleet, RefitFake()), add(fleet, RefitFake(bad=("/m/wide",)))
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
-        await client.pause()
+    async with paused(fleet, 2) as client:
         with pytest.raises(ControlError, match=r"refused by engine .*hidden_size is 96.*keeps serving epoch 0"):
             await client.refit("/m/wide")
         assert good.verified == ["/m/wide"] and good.loaded == [] and picky.loaded == []
@@ -103,9 +113,7 @@ async def test_a_source_one_engine_refuses_is_loaded_by_none(fleet_factory):
 async def test_an_engine_whose_load_fails_registers_again_and_loads_the_fleet_weights(fleet_factory):
     fleet = fleet_factory()
     steady, flaky = add(fleet, RefitFake()), add(fleet, RefitFake(fail_once=("/m/b",)))
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
-        await client.pause()
+    async with paused(fleet, 2) as client:
         ack = await client.refit("/m/b", epoch=4)
         assert ack["detail"]["epoch"] == 4 and len(ack["detail"]["failed"]) == 1
         assert "read error" in next(iter(ack["detail"]["failed"].values()))
@@ -119,9 +127,7 @@ async def test_an_engine_whose_load_fails_registers_again_and_loads_the_fleet_we
 async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator_adopts_them(fleet_factory):
     fleet = fleet_factory()
     first = add(fleet, RefitFake())
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
-        await client.pause()
+    async with paused(fleet, 1) as client:
         await client.refit("/m/b", epoch=3)
         late = add(fleet, RefitFake())
         # It loads on its own thread, a moment after STATUS already lists it: wait for the load.
@@ -141,9 +147,7 @@ async def test_an_engine_of_another_model_is_flagged_not_synced(fleet_factory):
     fleet = fleet_factory()
     fleet.coordinator.core.model = "/m/a"
     add(fleet, RefitFake(), model="/m/a")
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
-        await client.pause()
+    async with paused(fleet, 1) as client:
         await client.refit("/m/b")
         other = add(fleet, RefitFake(), model="/m/new")  # a rolling replacement's engine
         same = add(fleet, RefitFake(), model="/m/a/")
