@@ -14,8 +14,7 @@ from megatron_operator.network import unauthenticated_ports
 from megatron_operator.render import render
 
 from .helpers import fake_coordinator_for, wait_for
-from .test_kv_tiers_field import engine_container, example, parsed_args
-from .test_operator_crd import assert_refused
+from .test_kv_tiers_field import assert_engine_fields_refused, engine_container, example, parsed_args
 from .test_operator_render import CONFIG, by_key, identified
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,9 +95,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_values_are_refused_naming_the_field(case):
-    fields, reason = BAD[case]
-    resource = example(**fields)
-    assert_refused(resource, reason, case)
+    assert_engine_fields_refused(BAD, case)
 
 
 def test_the_cel_rules_agree_with_their_python_twins():

@@ -79,11 +79,15 @@ BAD = {
 }
 
 
+def assert_engine_fields_refused(bad: dict[str, tuple[dict[str, Any], str]], case: str) -> None:
+    """The example with ``bad[case]``'s engine fields is refused with its reason, by the parser and the CRD."""
+    fields, reason = bad[case]
+    assert_refused(example(**fields), reason, case)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_values_are_refused_naming_the_field(case):
-    fields, reason = BAD[case]
-    resource = example(**fields)
-    assert_refused(resource, reason, case)
+    assert_engine_fields_refused(BAD, case)
 
 
 @pytest.mark.parametrize("layout", [
