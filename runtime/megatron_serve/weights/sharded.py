@@ -42,7 +42,7 @@ from .manifest import torch_dtype
 from .peak import peak_since, start_peak
 from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, layout_key, link_chunks,
                      local_view, received_key, volume)
-from .sources import RendezvousSource, check_backend
+from .sources import RendezvousSource, TrainerSource, check_backend
 
 logger = logging.getLogger("megatron_serve.weights")
 
@@ -64,14 +64,10 @@ def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: di
 
 
 @dataclass(frozen=True)
-class ShardedSource:
+class ShardedSource(TrainerSource):
     """Weights that ``rendezvous.senders`` trainer ranks hold in pieces
     (:class:`~megatron_serve.wire.rendezvous.Rendezvous` with ``pieces``); a refit source as :mod:`.sources` describes
     them."""
-
-    rendezvous: Rendezvous
-    label: str
-    partial: bool = True
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
@@ -87,20 +83,13 @@ class ShardedSource:
         verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest
                               if not is_drafter(spec.name) and not is_adapter(spec.name)), partial=True)
 
-    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
-        return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
-
     def adapters(self) -> tuple[LoraPush, ...]:
         return tuple(self.rendezvous.adapters or ())
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, RegionSlice]]:
         """Receive this rank's regions, commit with every rank, then yield them; digests kept once all loaded."""
         rv = self.rendezvous
-        if rv.world_size is None or rv.rank_offset is None:
-            raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
-        device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
+        rank, device = self.transfer_place(model)
         regions = engine_layout(model, rv.manifest, holds_extra=model.tp.engine_rank == 0)
         # what receiving, staging and loading cost this process, in its acknowledgement (after the plan: a rank's
         # first shape-only model imports torch's meta kernels once, which is no tensor)

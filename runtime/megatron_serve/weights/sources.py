@@ -126,22 +126,39 @@ def check_backend(rv: Rendezvous, model: LlamaForCausalLM) -> None:
 
 
 @dataclass(frozen=True)
-class RendezvousSource:
-    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.rendezvous.Rendezvous`)."""
+class TrainerSource:
+    """What a trainer's refit is, broadcast (:class:`RendezvousSource`) or sent in pieces
+    (:class:`~megatron_serve.weights.sharded.ShardedSource`): the rendezvous its manifest and transfer group come
+    from, which each engine rank joins as its own rank."""
 
     rendezvous: Rendezvous
     label: str
     partial: bool = True
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
+        return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
+
+    def transfer_place(self, model: LlamaForCausalLM) -> tuple[int, torch.device]:
+        """This engine rank's rank in the transfer group, and where it receives: on the weights' device over NCCL,
+        else in host memory."""
+        rv = self.rendezvous
+        if rv.world_size is None or rv.rank_offset is None:
+            raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
+        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
+        device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
+        return rank, device
+
+
+@dataclass(frozen=True)
+class RendezvousSource(TrainerSource):
+    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.rendezvous.Rendezvous`)."""
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
         check_backend(rv, model)
         verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest if not is_drafter(spec.name)),
                       partial=True)
-
-    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
-        return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
 
     def adapters(self) -> tuple[LoraPush, ...]:
         """None: a broadcast carries one adapter version alone (``lora``), never beside the policy (a rendezvous
@@ -151,10 +168,7 @@ class RendezvousSource:
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """Join the transfer group as this rank and yield every tensor as its bucket arrives."""
         rv = self.rendezvous
-        if rv.world_size is None or rv.rank_offset is None:
-            raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
-        device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
+        rank, device = self.transfer_place(model)
         if rv.lora is None:
             forget_digests(model)  # base weights broadcast whole: a later delta must compare against nothing
         try:
