@@ -9,9 +9,11 @@ traceback (42,883 in 8 s at a 300-file limit).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -84,12 +86,30 @@ async def collect_stream(http: httpx.AsyncClient, body: dict) -> list[str]:
         return [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
 
 
-async def test_idle_connections_are_closed_after_the_keep_alive_timeout_even_before_a_first_byte(tokenizer, backend):
-    url, stop, task = await serving_with(make_app(tokenizer, backend), timeout_keep_alive=0.5)
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@contextlib.asynccontextmanager
+async def connected(app, count: int, **options) -> AsyncIterator[tuple[str, list[Connection]]]:
+    """``app`` served with ``serve_app``'s ``options`` and ``count`` TCP connections opened to it one after another
+    (none has sent a byte); yields the URL and them, then closes them and stops the server."""
+    url, stop, task = await serving_with(app, **options)
     host, port = url.removeprefix("http://").split(":")
+    opened: list[Connection] = []
     try:
-        idle = [await asyncio.open_connection(host, int(port)) for _ in range(50)]
-        used_reader, used_writer = await asyncio.open_connection(host, int(port))
+        for _ in range(count):
+            opened.append(await asyncio.open_connection(host, int(port)))
+        yield url, opened
+    finally:
+        for _, writer in opened:
+            writer.close()
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_idle_connections_are_closed_after_the_keep_alive_timeout_even_before_a_first_byte(tokenizer, backend):
+    async with connected(make_app(tokenizer, backend), 51, timeout_keep_alive=0.5) as (_, opened):
+        *idle, (used_reader, used_writer) = opened
         used_writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         began = time.monotonic()
         closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 10)
@@ -97,11 +117,6 @@ async def test_idle_connections_are_closed_after_the_keep_alive_timeout_even_bef
         answer = await asyncio.wait_for(used_reader.read(), 10)  # answered, then closed once idle
         assert closed == [b""] * 50 and 0.4 < took < 5, took
         assert answer.startswith(b"HTTP/1.1 200")
-        for _, writer in [*idle, (used_reader, used_writer)]:
-            writer.close()
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_a_used_connection_is_kept_longer_than_one_that_sent_nothing(tokenizer, backend, monkeypatch):
@@ -109,8 +124,6 @@ async def test_a_used_connection_is_kept_longer_than_one_that_sent_nothing(token
     and proxies keep idle connections, so that they close first and never send on one the server is closing);
     before its first request only the first-request deadline (5 s; shortened here)."""
     monkeypatch.setattr(connections, "FIRST_REQUEST_IDLE", 0.3)
-    url, stop, task = await serving_with(make_app(tokenizer, backend), timeout_keep_alive=3.0)
-    host, port = url.removeprefix("http://").split(":")
     async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -118,9 +131,8 @@ async def test_a_used_connection_is_kept_longer_than_one_that_sent_nothing(token
         await asyncio.wait_for(reader.readexactly(length), 10)
         return head
 
-    try:
-        idle = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
-        used_reader, used_writer = await asyncio.open_connection(host, int(port))
+    async with connected(make_app(tokenizer, backend), 21, timeout_keep_alive=3.0) as (_, opened):
+        *idle, (used_reader, used_writer) = opened
         assert (await health(used_reader, used_writer)).startswith(b"HTTP/1.1 200")
         began = time.monotonic()
         closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 10)
@@ -130,20 +142,13 @@ async def test_a_used_connection_is_kept_longer_than_one_that_sent_nothing(token
         began = time.monotonic()
         assert await asyncio.wait_for(used_reader.read(), 10) == b""  # then closed once idle for the keep-alive
         assert 2.5 < time.monotonic() - began < 6
-        for _, writer in [*idle, (used_reader, used_writer)]:
-            writer.close()
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_connections_past_the_cap_get_a_fast_503_and_one_log_line(tokenizer, backend, caplog):
     caplog.set_level(logging.WARNING, "megatron_serve.server")
-    url, stop, task = await serving_with(make_app(tokenizer, backend), max_connections=20, timeout_keep_alive=30)
-    host, port = url.removeprefix("http://").split(":")
-    try:
-        held = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
-        extra = [await asyncio.open_connection(host, int(port)) for _ in range(30)]
+    app = make_app(tokenizer, backend)
+    async with connected(app, 50, max_connections=20, timeout_keep_alive=30) as (url, opened):
+        held, extra = opened[:20], opened[20:]
         began = time.monotonic()
         answers = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in extra)), 10)
         took = time.monotonic() - began
@@ -155,11 +160,6 @@ async def test_connections_past_the_cap_get_a_fast_503_and_one_log_line(tokenize
         await asyncio.sleep(0.2)
         async with httpx.AsyncClient(base_url=url) as http:  # room again
             assert (await http.get("/health")).status_code == 200
-        for _, writer in [*held, *extra]:
-            writer.close()
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
     refusals = [r for r in caplog.records if "at its limit of open connections" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]
 
