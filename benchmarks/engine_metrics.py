@@ -26,6 +26,8 @@ from megatron_serve.wire.request import DynamicInferenceRequest, FinalRecord
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 
 class NoStats(EngineStats):
     """The baseline: the same interface, nothing counted."""
@@ -69,9 +71,7 @@ def seconds_per_request(batch: int, steps: int = 2000) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_number_options(parser, batch=64, tokens=32, rounds=5)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as model_dir:
         make_tiny_model(model_dir)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from cli_options import add_number_options
 from decode_roofline import LLAMA_SHAPES, build_checkpoint, free_memory, make_engine, sync
 
 
@@ -85,9 +86,7 @@ def measure_mode(model_dir: Path, shape: dict, batches: list[int], args, device:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64,256")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=64)
+    add_number_options(parser, prompt_len=128, new_tokens=128, block_size=64)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens; allowed on CPU")
     parser.add_argument("--checkpoint", default=None,
                         help="the shape's checkpoint that decode_roofline's build_checkpoint made already (kept): a "

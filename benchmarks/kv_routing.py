@@ -50,6 +50,8 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.prefix_hash import ROOT_HASH
 from megatron_serve.wire.request import EngineRequest
 
+from cli_options import add_number_options
+
 BLOCK = 16
 PHASES = ("before", "storm", "after")
 
@@ -225,11 +227,7 @@ def report(args: argparse.Namespace, trace: list[Arrival], rows: dict[str, Outco
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", type=int, default=3)
-    parser.add_argument("--pool-blocks", type=int, default=40)
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--tenants", type=int, default=6)
-    parser.add_argument("--prefix-blocks", type=int, default=6)
+    add_number_options(parser, engines=3, pool_blocks=40, slots=8, tenants=6, prefix_blocks=6)
     parser.add_argument("--popularity", choices=("zipf", "uniform"), default="zipf",
                         help="how often each tenant comes: Zipf-like (1/rank) or all alike")
     parser.add_argument("--ticks", type=int, default=60)

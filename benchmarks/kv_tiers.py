@@ -42,6 +42,8 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.kv.disk import DiskKVTier
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 BLOCK = 16
 
 
@@ -246,13 +248,8 @@ def suspend(model_dir: str, args, keep_kv: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--pool-blocks", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--live", type=int, default=4)
-    parser.add_argument("--tier-gib", type=float, default=0.5)
+    add_number_options(parser, hidden_size=256, layers=4, prefix_len=512, pool_blocks=128, rounds=3, live=4,
+                       tier_gib=0.5)
     parser.add_argument("--disk-gib", type=float, default=1.0, help="the disk tier's bound")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)

@@ -42,6 +42,8 @@ from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.lora.checkpoint import PROJECTIONS, projection_shape
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 GOAL_8 = 0.8
 
 
@@ -150,13 +152,7 @@ def push_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_number_options(parser, hidden_size=512, layers=4, rank=16, prompt_len=32, output_len=32, batch=64, repeats=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat")
     parser.add_argument("--push", action="store_true", help="measure adapter pushes from trainer memory instead")

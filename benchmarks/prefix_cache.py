@@ -30,6 +30,8 @@ import torch
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 
 def workload(vocab: int, prefixes: int, prefix_len: int, requests: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -95,12 +97,7 @@ def _sync(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: a random model of the sizes below)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--prefixes", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=16)
+    add_number_options(parser, hidden_size=256, layers=4, prefixes=4, prefix_len=512, requests=64, output_len=16)
     parser.add_argument("--lone", type=int, default=8, help="requests timed one at a time after the burst")
     parser.add_argument("--max-requests", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)

@@ -42,6 +42,8 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 
 
@@ -190,12 +192,7 @@ def finite_check_cost(args: argparse.Namespace) -> None:
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     """The checkpoint's shape (default ~360 MB in fp32), where it lives, and how many rounds to time."""
     parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate-size", type=int, default=2816)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_number_options(parser, hidden_size=1024, layers=8, heads=16, kv_heads=4, intermediate_size=2816, rounds=3)
 
 
 def main() -> None:

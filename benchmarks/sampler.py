@@ -20,6 +20,8 @@ from megatron_serve.engine.sampler import Sampler
 from megatron_serve.engine.sampling_state import SamplingState
 from megatron_serve.wire.sampling_params import SamplingParams
 
+from cli_options import add_number_options
+
 MIXES = {
     "greedy + logprobs": lambda i: SamplingParams(temperature=0.0, return_log_probs=True),
     "temp 0.8 top-p 0.9": lambda i: SamplingParams(temperature=0.8, top_p=0.9),
@@ -41,9 +43,7 @@ def seconds_per_step(run, device: torch.device, iters: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--iters", type=int, default=20)
+    add_number_options(parser, batch=64, vocab=32000, iters=20)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     logits = torch.randn(args.batch, args.vocab, device=device) * 3

@@ -28,6 +28,8 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM
 from megatron_serve.client.prompts import ImagePrompt, tokenize_prompt
 from megatron_serve.model.tiny import make_tiny_model
 
+from cli_options import add_number_options
+
 PLACEHOLDER = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 SIZES = [(56, 56), (84, 112), (140, 70), (112, 112), (224, 168)]
@@ -138,12 +140,7 @@ def summary(name: str, seconds: float, ttfts: list[float], count: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(PLACEHOLDER), default="llava")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--hf-batch-size", type=int, default=8)
-    parser.add_argument("--max-requests", type=int, default=64)
+    add_number_options(parser, hidden_size=256, layers=4, requests=32, new_tokens=32, hf_batch_size=8, max_requests=64)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
