@@ -16,6 +16,7 @@ tensors refit (:mod:`..weights.drafter`).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, cast
 
 from ..model.llama import LlamaForCausalLM
@@ -97,6 +98,7 @@ class PolicyTarget:
         return None
 
 
+@dataclass(eq=False)  # a target is itself, whatever it holds
 class HeldWeights:
     """A proposer's tensors (the MTP layers under their policy names, or the drafter's unprefixed), checked with the
     policy's and held as they stream past, loaded under the policy's new epoch at the commit.
@@ -109,17 +111,14 @@ class HeldWeights:
 
     before_policy = False
 
-    def __init__(self, what: str, proposer: ProposerWeights | None, claims: Callable[[str], bool],
-                 shapes: Callable[[list[tuple[str, Shape]]], list[tuple[str, Shape]]], rename: Callable[[str], str],
-                 model: LlamaForCausalLM, partial: bool):
-        self.what = what
-        self.proposer = proposer
-        self.claims = claims
-        self.shapes = shapes
-        self.rename = rename
-        self.model = model
-        self.partial = partial
-        self.held: list[Named] = []
+    what: str
+    proposer: ProposerWeights | None
+    claims: Callable[[str], bool]
+    shapes: Callable[[list[tuple[str, Shape]]], list[tuple[str, Shape]]]
+    rename: Callable[[str], str]
+    model: LlamaForCausalLM
+    partial: bool
+    held: list[Named] = field(default_factory=list, init=False)
 
     def check(self, source: WeightSource) -> None:
         wanted = self.shapes(source.shapes())
