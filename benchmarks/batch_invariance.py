@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import random
 import tempfile
-import time
 
 import httpx
 import torch
@@ -36,6 +35,7 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.model.tiny import make_tiny_model
 
 import serving
+from engine_run import run_to_end
 
 
 def workload(count: int, samples: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
@@ -60,12 +60,7 @@ def measure(model_dir: str, invariant_mode: bool, requests, dtype: str, device: 
     engine = DynamicInferenceEngine.from_model_dir(model_dir, InferenceConfig(
         dtype=dtype, device=device, batch_invariant=invariant_mode, max_requests=64, max_batch_tokens=512))
     reqs = [DynamicInferenceRequest(str(i), None, prompt, params) for i, (prompt, params) in enumerate(requests)]
-    wall, cpu = time.perf_counter(), time.process_time()
-    for request in reqs:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = run_to_end(engine, reqs)
     engine.shutdown()
     return wall, cpu, sum(len(r.generated_tokens) for r in reqs)
 

@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
+from engine_run import run_to_end
 from scratch import scratch_dir
 
 LENGTHS = ("uniform", "staggered")
@@ -274,12 +275,7 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
                         for choice, params in enumerate(SamplingParams(
                             temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
                             n=SAMPLING.n, num_tokens_to_generate=length, ignore_eos=True).choices())]
-            started, cpu_started = time.perf_counter(), time.process_time()
-            for request in requests:
-                engine.add_request(request)
-            while engine.has_unfinished_requests():
-                engine.step()
-            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            elapsed, cpu = run_to_end(engine, requests)
         produced = sum(len(r.generated_tokens) for r in requests)
         assert produced == work.tokens, f"offline produced {produced} tokens, expected {work.tokens}"
         return produced / elapsed, cpu * 1e6 / produced
