@@ -4,11 +4,8 @@ One program serves one (sequence, KV head, split): the ``GROUP`` query heads tha
 the rows of one ``tl.dot`` (padded to 16), so each K/V tile is read once for the whole group. A split
 covers an equal share of its own sequence's context, so the grid depends on shapes only (no host sync,
 CUDA-graph friendly). With more than one split, partial outputs and their log-sum-exp are combined by a
-second small kernel.
-
-An FP8 cache (``KV_FP8``) is read as e4m3 and widened in registers; each key's scale multiplies its
-column of ``q @ K^T`` and each value's scale its column of ``P`` before ``P @ V``, which is exactly
-attention over the dequantized cache at half the bytes read.
+second small kernel. The pass over the keys is :func:`megatron_kernels.triton_paged_attention.attend`,
+the prefill kernel's too (an FP8 cache is read there).
 """
 
 from __future__ import annotations
@@ -19,9 +16,9 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2, sm_count
-from .triton_kv_cache import check_cache, fit_to_cache, scale_strides
+from .triton_kv_cache import check_cache, fit_to_cache
+from .triton_paged_attention import LOG2E, attend, attention_strides
 
-_LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 
@@ -74,40 +71,14 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = s * qk_scale
-        if KV_FP8:
-            slot_scales = block * stride_sb + offset * stride_so + kv_head
-            s = s * tl.load(k_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid column
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p
-        if KV_FP8:
-            pv = p * tl.load(v_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
-        if FP32_DOT:
-            v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+    acc, l_i, m_i = attend(
+        acc, l_i, m_i, q, 0, start, end, qk_scale, d, d_mask, kv_head,
+        block_tables_ptr, seq, stride_bt,
+        k_cache_ptr, stride_kb, stride_ko, stride_kh,
+        v_cache_ptr, stride_vb, stride_vo, stride_vh,
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, True, False, FP32_DOT, KV_FP8,
+    )
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -210,13 +181,8 @@ def paged_attention_decode(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, k_scales if fp8 else out, v_scales if fp8 else out,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *scale_strides(k_scales),
+        float(scale) * LOG2E,
+        *attention_strides(q, k_cache, v_cache, block_tables, out, k_scales),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,

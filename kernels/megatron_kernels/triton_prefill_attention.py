@@ -6,8 +6,8 @@ one tile of ``BLOCK_Q`` queries of one sequence times the ``GROUP`` query heads 
 tile's rows are (query, head) pairs, so each K/V tile is read once for the whole GQA group. Programs
 find their sequence by binary search over ``query_start_loc``; the grid is a shape-only upper bound
 (``num_tokens // BLOCK_Q + num_seqs`` tiles), so no host sync is needed. Key tiles below the tile's
-first query position skip the causal mask; only the diagonal tiles apply it. An FP8 cache is read as
-the decode kernel reads it (per-key scales on the columns of ``q @ K^T`` and of ``P``).
+first query position skip the causal mask; only the diagonal tiles apply it. The pass over the keys is
+:func:`megatron_kernels.triton_paged_attention.attend`, the decode kernel's too.
 """
 
 from __future__ import annotations
@@ -18,54 +18,8 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2
-from .triton_kv_cache import check_cache, fit_to_cache, scale_strides
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend(
-    acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale,
-    d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
-    k_scale_base, v_scale_base, stride_sb, stride_so,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """Online-softmax accumulation over keys ``[lo, hi)``."""
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = s * qk_scale
-        if KV_FP8:
-            slot_scales = block * stride_sb + offset * stride_so
-            s = s * tl.load(k_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
-        if CAUSAL_MASK:
-            s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 precedes every query, tiles go in order
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p
-        if KV_FP8:
-            pv = p * tl.load(v_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-    return acc, l_i, m_i
+from .triton_kv_cache import check_cache, fit_to_cache
+from .triton_paged_attention import LOG2E, attend, attention_strides
 
 
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"])
@@ -127,24 +81,25 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
     first_pos = prefix + q_block * BLOCK_Q
     # Keys at or before the tile's first query are visible to every row: no causal mask there.
     full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     kv_hi = tl.minimum(context_len, first_pos + BLOCK_Q)
-    k_scale_base = k_scale_ptr + kv_head
-    v_scale_base = v_scale_ptr + kv_head
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table, 0, full_hi, qk_scale,
-        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
-        BLOCK_SIZE, BLOCK_N, False, FP32_DOT, KV_FP8,
+    acc, l_i, m_i = attend(
+        acc, l_i, m_i, q, q_pos, 0, full_hi, qk_scale, d, d_mask, kv_head,
+        block_tables_ptr, seq, stride_bt,
+        k_cache_ptr, stride_kb, stride_ko, stride_kh,
+        v_cache_ptr, stride_vb, stride_vo, stride_vh,
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, False, False, FP32_DOT, KV_FP8,
     )
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, table, full_hi, kv_hi, qk_scale,
-        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
-        BLOCK_SIZE, BLOCK_N, True, FP32_DOT, KV_FP8,
+    acc, l_i, m_i = attend(
+        acc, l_i, m_i, q, q_pos, full_hi, kv_hi, qk_scale, d, d_mask, kv_head,
+        block_tables_ptr, seq, stride_bt,
+        k_cache_ptr, stride_kb, stride_ko, stride_kh,
+        v_cache_ptr, stride_vb, stride_vo, stride_vh,
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, False, True, FP32_DOT, KV_FP8,
     )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -199,13 +154,8 @@ def paged_attention_prefill(
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         k_scales if fp8 else out, v_scales if fp8 else out,
-        float(scale) * _LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        *scale_strides(k_scales),
+        float(scale) * LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
+        *attention_strides(q, k_cache, v_cache, block_tables, out, k_scales),
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
