@@ -6,6 +6,7 @@ import argparse
 import os
 
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
+from ..heap import pause_collection_until_started
 from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..coordinator.routing import KNOWN_POLICIES
 from .inputs import parse_port
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    pause_collection_until_started()  # until it serves (freeze_startup_heap)
     setup_logging(args.log_level)
     from ..coordinator import Coordinator, check_secret, serve  # noqa: PLC0415 - keep --help fast
     from ..coordinator.routing import make_routing_policy  # noqa: PLC0415

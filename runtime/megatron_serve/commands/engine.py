@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ..fleet.argv import kv_transfer_config  # noqa: E402
+from ..heap import pause_collection_until_started  # noqa: E402
 from .aliases import add_option  # noqa: E402
 from .engine_options import add_engine_options, capacity_line, inference_config_from_args  # noqa: E402
 from .inputs import check_model_dir, coordinator_address, parse_port  # noqa: E402
@@ -123,6 +124,7 @@ def refused(reason: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    pause_collection_until_started()  # until it serves (freeze_startup_heap)
     setup_logging(args.log_level)
     address = coordinator_address(args.coordinator)
     if args.group is not None and args.group < 0:

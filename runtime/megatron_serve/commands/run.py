@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..fleet.argv import disaggregated_roles
+from ..heap import pause_collection_until_started
 from ..http_options import HTTPOptions
 from ..wire.protocol import DEFAULT_PORT
 from . import api_servers, local_runs
@@ -127,6 +128,7 @@ def say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    pause_collection_until_started()  # until it serves (freeze_startup_heap)
     setup_logging(args.log_level)
     if args.engines < 1:
         raise ValueError(f"--engines must be >= 1, got {args.engines}")

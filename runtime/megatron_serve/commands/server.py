@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..generation_config import GenerationDefaults
+from ..heap import pause_collection_until_started
 from ..http_options import FAIRNESS_HEADER, METRICS_COMPAT, HTTPOptions, Shedding, TenancyOptions
 from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE, HEALTH_STALL_TIMEOUT,
                       MAIN_BACKLOG, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
@@ -271,6 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    pause_collection_until_started()  # until it serves (freeze_startup_heap)
     setup_logging(args.log_level)
     args.coordinator = coordinator_address(args.coordinator)
     check_server_options(args)

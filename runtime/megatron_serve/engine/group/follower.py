@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import InferenceConfig
+from ...heap import freeze_startup_heap
 from ...model.loader import load_model, load_weights
 from ...model.lora.slots import LoraSlots
 from ...weights.drafter import policy_only
@@ -59,6 +60,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     memory = FollowerMemory(model, pool, runner, device)
+    freeze_startup_heap()  # as rank 0's process does once loaded; a rank forked from it collects again from here
     while True:
         kind, payload, tokens = channel.receive()
         if kind == "step":
