@@ -136,6 +136,14 @@ class RunStack:
         return {engine["info"].get("pid") for engine in engines} <= set(self.children()["engine"])
 
 
+def run_environment(tmp: Path) -> dict[str, str]:
+    """This process's environment for a command of its own under ``tmp``: its TMPDIR and XDG_RUNTIME_DIR (where a run
+    publishes itself for ``control``), and no ``MEGATRON_SERVE_COORDINATOR`` inherited from the caller."""
+    env = {**os.environ, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp)}
+    env.pop("MEGATRON_SERVE_COORDINATOR", None)
+    return env
+
+
 def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout_after: int | None = None,
               api_key: str | None = None) -> RunStack:
     """``megatron-serve run`` as a user starts it; ``close_stdout_after``: read that many lines, then close the
@@ -143,8 +151,7 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = tmp / "run.log"
-    env = {**os.environ, "TMPDIR": str(tmp), "XDG_RUNTIME_DIR": str(tmp)}
-    env.pop("MEGATRON_SERVE_COORDINATOR", None)
+    env = run_environment(tmp)
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--engines", str(engines),

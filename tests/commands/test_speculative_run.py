@@ -3,8 +3,6 @@ drafts are accepted, and the speculative counters reach ``/metrics``."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -14,9 +12,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine import DynamicInferenceEngine
 
 from ..helpers import http_get, metric_by_engine_group, wait_until
-from ..processes import stop_process_group
-from ..server.conftest import wait_ready
-from ..server.test_openai_e2e import free_port
+from ..server.conftest import served_run
 
 BIAS = {"133": 7.0, "410": 6.8, "433": 6.9}  # a few favoured tokens: output that repeats, so n-gram guesses land
 
@@ -24,17 +20,9 @@ BIAS = {"133": 7.0, "410": 6.8, "433": 6.9}  # a few favoured tokens: output tha
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama, tmp_path):
-    port = free_port()
-    argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--coordinator-port", "0",
-            "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128", "--block-size", "16",
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}']
-    log = tmp_path / "run.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, log)
+    speculative = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}'
+    with served_run(tiny_llama, tmp_path, "--served-model-name", "tiny", "--block-size", "16",
+                    "--speculative-config", speculative) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         prompt = [5, 17, 5, 17, 5, 17, 99]
         answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
@@ -58,8 +46,6 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
         assert counted("megatron_serve_spec_decode_num_accepted_tokens_per_pos_total") == counted(
             "megatron_serve_spec_decode_num_accepted_tokens_total")
         assert counted("vllm:spec_decode_num_drafts_total") > 0
-    finally:
-        stop_process_group(proc)
 
 
 @pytest.mark.slow
@@ -68,18 +54,9 @@ def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tin
     """``run --engines 2`` with the adaptive policy (the default): requests spread over both engines, each
     engine chooses K from its own measurements (its own rows and drafts on /metrics), the tokens are the
     plain engine's."""
-    port = free_port()
-    argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--coordinator-port", "0", "--engines", "2", "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128",
-            "--block-size", "16", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
-    log = tmp_path / "run.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     prompts = [[5 + i, 17, 5 + i, 17, 5 + i, 17, 99] for i in range(8)]
-    try:
-        wait_ready(proc, url, log)
+    with served_run(tiny_llama, tmp_path, "--served-model-name", "tiny", "--engines", "2", "--block-size", "16",
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}') as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         def complete(prompt: list[int]) -> list[int]:
@@ -108,5 +85,3 @@ def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tin
         assert sorted(g for g, n in counted.items() if n > 0) == ["0", "1"]  # both engines ran and chose K
         for group, n in counted.items():
             assert drafts.get(group, 0.0) <= 4 * n  # each engine's mean K, from its own counters, within 0..4
-    finally:
-        stop_process_group(proc)

@@ -24,6 +24,8 @@ from megatron_serve.commands import stack_ports
 from megatron_serve.commands.stack_ports import reserve_ports
 
 from tests.helpers import free_port
+from tests.processes import start_cli
+from tests.run_stack import run_environment
 
 
 def adjacent_free_ports() -> int:
@@ -44,13 +46,8 @@ def adjacent_free_ports() -> int:
 def test_serve_with_the_coordinator_on_port_plus_one_starts_and_serves(tiny_llama, tmp_path):
     port = adjacent_free_ports()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
-    env.pop("MEGATRON_SERVE_COORDINATOR", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "serve", tiny_llama, "--port", str(port),
-             "--coordinator-port", str(port + 1), "--num-kv-blocks", "64"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = start_cli(["serve", tiny_llama, "--port", str(port), "--coordinator-port", str(port + 1), "--num-kv-blocks",
+                      "64"], log, run_environment(tmp_path))
     try:
         deadline = time.monotonic() + 300
         while "megatron-serve is ready" not in log.read_text():
@@ -85,9 +82,9 @@ def test_serve_with_the_coordinator_on_port_plus_one_starts_and_serves(tiny_llam
 def test_two_options_naming_one_port_are_refused_in_one_line_before_anything_starts(tiny_llama, tmp_path, ports,
                                                                                    message):
     port = str(free_port())
-    env = {**os.environ, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "run", "--model", tiny_llama, *ports(port)],
-                          capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=120, env=run_environment(tmp_path),
+                          stdin=subprocess.DEVNULL)
     assert done.returncode == 1
     assert done.stderr.strip() == f"megatron-serve run: error: {message.format(p=port)} " \
                                   "(choose another --coordinator-port)", done.stderr

@@ -10,11 +10,8 @@ stopped ``serve`` with ``unrecognized arguments`` under the top-level usage.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -26,6 +23,7 @@ from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
 from .test_hub import hub_cache
 from ..lora_adapters import make_peft_adapter
+from ..processes import start_cli, stop_process_group
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
 
@@ -103,26 +101,14 @@ def start_serve(root: Path, extra: list[str], log: Path) -> tuple[subprocess.Pop
     argv = ["serve", HUB_ID, "--download-dir", str(root / "hub"), "--host", "127.0.0.1", "--port", str(port),
             "--coordinator-port", "0", "--log-dir", str(root / f"logs-{port}"), "--num-kv-blocks", "128",
             "--drain-timeout", "5", *extra]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = start_cli(argv, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, log)
     except BaseException:
-        stop(proc)
+        stop_process_group(proc)  # serve stops its fleet on SIGINT
         raise
     return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # run stops its fleet on SIGINT
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -162,7 +148,7 @@ def test_serve_comes_up_with_every_implemented_and_accepted_option_and_they_act_
                 "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2})
             assert chat.status_code == 200  # tool_choice auto, read by --tool-call-parser hermes
     finally:
-        stop(proc)
+        stop_process_group(proc)  # serve stops its fleet on SIGINT
     output = log.read_text()
     assert "request cmpl-vllm-flags-1 received" in output and "'Hello'" in output  # --enable-log-requests
     assert "POST /v1/completions" not in output  # --disable-uvicorn-access-log, despite --uvicorn-log-level info

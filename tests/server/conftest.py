@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -22,7 +21,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..helpers import free_port, http_get
-from ..processes import stop_process_group
+from ..processes import start_cli, stop_process_group
 
 
 @pytest.fixture(scope="session")
@@ -89,26 +88,29 @@ def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 
 
 
 @contextlib.contextmanager
-def admin_run(model: str, log_dir: Path, admin_key: str, *extra: str,
-              env: dict[str, str] | None = None) -> Iterator[str]:
-    """``megatron-serve run`` of ``model`` on a free port with ``admin_key`` in a key file (its output and logs in
-    ``log_dir``); yields its URL once ``/ready`` answers 200, and stops its process group after."""
-    key_file = log_dir / "admin-key"
-    key_file.write_text(admin_key + "\n")
+def served_run(model: str, log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``megatron-serve run`` of ``model`` on a free port (its output and logs in ``log_dir``); yields its URL once
+    ``/ready`` answers 200, and stops its process group after."""
     port = free_port()
     output = log_dir / "run.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--port", str(port),
-             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5",
-             "--admin-key-file", str(key_file), *extra],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    proc = start_cli(["run", "--model", model, "--port", str(port), "--coordinator-port", "0", "--num-kv-blocks",
+                      "256", "--log-dir", str(log_dir), "--drain-timeout", "5", *extra], output, env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, output)
         yield url
     finally:
         stop_process_group(proc)  # the run command stops its fleet on SIGINT
+
+
+@contextlib.contextmanager
+def admin_run(model: str, log_dir: Path, admin_key: str, *extra: str,
+              env: dict[str, str] | None = None) -> Iterator[str]:
+    """:func:`served_run` with ``admin_key`` in a key file."""
+    key_file = log_dir / "admin-key"
+    key_file.write_text(admin_key + "\n")
+    with served_run(model, log_dir, "--admin-key-file", str(key_file), *extra, env=env) as url:
+        yield url
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

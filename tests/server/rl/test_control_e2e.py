@@ -9,16 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from ...processes import stop_process_group
-from ..conftest import wait_ready
-from ..test_openai_e2e import free_port
+from ..conftest import served_run
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -30,21 +26,9 @@ TOKENS = 200  # a stream is held or cut some 10 tokens after its first: a 20-fol
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("control-run")
-    port = free_port()
-    output = log_dir / "run.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", tiny_model, "--port", str(port),
-             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": ADMIN_KEY})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, output)
+    keys = {"MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": ADMIN_KEY}
+    with served_run(tiny_model, tmp_path_factory.mktemp("control-run"), env={**os.environ, **keys}) as url:
         yield SimpleNamespace(url=url, model=os.path.basename(tiny_model))
-    finally:
-        stop_process_group(proc)
 
 
 class Stream:
