@@ -16,9 +16,9 @@ from ._triton_utils import interpreted, next_pow2
 from .reference_lora import LoraBatch
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, idx_ptr, h_ptr, n_rows, rank, k_size,
+    x_ptr, a_ptr, idx_ptr, h_ptr, rank, k_size,
     stride_x, stride_as, stride_ar, stride_ak, stride_h,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -37,9 +37,9 @@ def _shrink_kernel(
     tl.store(h_ptr + row.to(tl.int64) * stride_h + ranks, acc.to(h_ptr.dtype.element_ty), mask=ranks < rank)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
 def _expand_kernel(
-    y_ptr, h_ptr, b_ptr, idx_ptr, n_rows, rank, n_size,
+    y_ptr, h_ptr, b_ptr, idx_ptr, rank, n_size,
     stride_y, stride_h, stride_bs, stride_bn, stride_br,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,6 +62,12 @@ def _check(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension")
 
 
+def _tile(t: torch.Tensor, size: int, gpu_tile: int) -> int:
+    """The tile over ``size`` columns: all of them (up to 4096) under the interpreter, whose cost is per
+    program, at most ``gpu_tile`` on a GPU."""
+    return min(next_pow2(size), 4096 if interpreted(t) else gpu_tile)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference_lora.lora_shrink` (``[tokens, rank]``, zeros for base rows)."""
     indices = batch.indices
@@ -71,10 +77,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Ten
     h = torch.empty((n_rows, rank), dtype=x.dtype, device=x.device)
     if n_rows:
         block_r = next_pow2(rank)
-        block_k = min(next_pow2(k_size), 4096 if interpreted(x) else 128)
         _shrink_kernel[(n_rows, triton.cdiv(rank, block_r))](
-            x, a, indices, h, n_rows, rank, k_size, x.stride(0), a.stride(0), a.stride(1), a.stride(2), h.stride(0),
-            BLOCK_R=block_r, BLOCK_K=block_k,
+            x, a, indices, h, rank, k_size, x.stride(0), a.stride(0), a.stride(1), a.stride(2), h.stride(0),
+            BLOCK_R=block_r, BLOCK_K=_tile(x, k_size, 128),
         )
     return h
 
@@ -87,9 +92,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBa
     n_rows, n_size = y.shape
     rank = b.shape[2]
     if n_rows:
-        block_r = next_pow2(rank)
-        block_n = min(next_pow2(n_size), 4096 if interpreted(y) else 64)
+        block_n = _tile(y, n_size, 64)
         _expand_kernel[(n_rows, triton.cdiv(n_size, block_n))](
-            y, h, b, indices, n_rows, rank, n_size, y.stride(0), h.stride(0), b.stride(0), b.stride(1), b.stride(2),
-            BLOCK_R=block_r, BLOCK_N=block_n,
+            y, h, b, indices, rank, n_size, y.stride(0), h.stride(0), b.stride(0), b.stride(1), b.stride(2),
+            BLOCK_R=next_pow2(rank), BLOCK_N=block_n,
         )
