@@ -22,6 +22,7 @@ from megatron_serve.tokenizer import Tokenizer
 
 from ..helpers import free_port, http_get
 from ..processes import start_cli, stop_process_group
+from ..run_stack import RunStack, start_run
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +112,24 @@ def admin_run(model: str, log_dir: Path, admin_key: str, *extra: str,
     key_file.write_text(admin_key + "\n")
     with served_run(model, log_dir, "--admin-key-file", str(key_file), *extra, env=env) as url:
         yield url
+
+
+@contextlib.contextmanager
+def runtime_lora_run(model: str, tmp: Path, admin_key: str, *extra: str, engines: int) -> Iterator[RunStack]:
+    """:func:`~tests.run_stack.start_run` of ``model`` under ``tmp`` with LoRA (up to rank 16) loaded and unloaded
+    while it serves (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, ``admin_key`` in a key file); after, its group is
+    stopped and every child killed, whatever state the tests left."""
+    key_file = tmp / "admin-key"
+    key_file.write_text(admin_key)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        run = start_run(model, tmp / "run", "--enable-lora", "--max-lora-rank", "16", "--admin-key-file",
+                        str(key_file), *extra, engines=engines)
+    try:
+        yield run
+    finally:
+        stop_process_group(run.proc)
+        run.kill()
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

@@ -26,8 +26,7 @@ from megatron_serve.model.lora.checkpoint import MAX_CONFIG_BYTES, WEIGHTS_FILE
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..lora_adapters import make_peft_adapter
-from ..processes import stop_process_group
-from ..run_stack import start_run
+from .conftest import runtime_lora_run
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
 
@@ -79,18 +78,9 @@ def fresh_text(tiny_model, adapters):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, adapters):
-    key_file = tmp_path_factory.mktemp("rules-key") / "admin-key"
-    key_file.write_text(ADMIN_KEY)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        run = start_run(tiny_model, tmp_path_factory.mktemp("rules-run"), "--enable-lora", "--max-loras", "1",
-                        "--max-lora-rank", "16", "--lora-modules", f"first={adapters.first}",
-                        "--admin-key-file", str(key_file), engines=1)
-    try:
+    with runtime_lora_run(tiny_model, tmp_path_factory.mktemp("rules"), ADMIN_KEY, "--max-loras", "1",
+                          "--lora-modules", f"first={adapters.first}", engines=1) as run:
         yield run
-    finally:
-        stop_process_group(run.proc)
-        run.kill()
 
 
 @pytest.fixture

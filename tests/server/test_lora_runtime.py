@@ -26,9 +26,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..helpers import until
 from ..lora_adapters import make_peft_adapter
-from ..processes import stop_process_group
-from ..run_stack import start_run
-from .conftest import metric
+from .conftest import metric, runtime_lora_run
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
 
@@ -52,18 +50,9 @@ def adapters(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, adapters):
-    key_file = tmp_path_factory.mktemp("lora-key") / "admin-key"
-    key_file.write_text(ADMIN_KEY)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        run = start_run(tiny_model, tmp_path_factory.mktemp("lora-run"), "--enable-lora", "--max-loras", "2",
-                        "--max-lora-rank", "16", "--admin-key-file", str(key_file), "--routing", "round_robin",
-                        "--lora-allowed-dirs", str(Path(adapters["a"]).parent), engines=2)
-    try:
+    with runtime_lora_run(tiny_model, tmp_path_factory.mktemp("lora"), ADMIN_KEY, "--max-loras", "2", "--routing",
+                          "round_robin", "--lora-allowed-dirs", str(Path(adapters["a"]).parent), engines=2) as run:
         yield run
-    finally:
-        stop_process_group(run.proc)
-        run.kill()
 
 
 @pytest.fixture
