@@ -11,19 +11,17 @@ import torch
 import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.client.lora_push import adapter_push
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.request import EventType
 
 from ..engine.test_speculative import looping, repetitive_prompts
 from ..fp8_checkpoints import block_fp8_checkpoint
-from ..lora_adapters import peft_model
 from ..model.test_moe import VARIANTS, run_together
-from ..prompts import PROMPTS, run_requests
+from ..prompts import PROMPTS
 from .test_fp8_tensor_parallel import generate as generate_fp8
-from .test_lora_tensor_parallel import (MOE_JOBS, _assert_close, _engine, _greedy, _run, moe_adapters,  # noqa: F401
-                                        moe_base)
+from .test_lora_tensor_parallel import (MOE_JOBS, _assert_close, _run, assert_expert_rows_their_own,  # noqa: F401
+                                        moe_adapters, moe_base, trainer_push)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -98,12 +96,7 @@ def test_fp8_experts(tmp_path):
 def test_expert_adapters_and_a_push_equal_one_rank(moe_base, moe_adapters):  # noqa: F811 - fixtures
     """Expert, dense and base rows in one batch, then a trainer's push of an expert adapter: rank 0 sends each rank
     the adapter, each keeps its experts' share; the adapted rows are recomputed where their experts are."""
-    trainer = peft_model(moe_base, moe_adapters["experts"])
-    with torch.no_grad():
-        for name, param in trainer.named_parameters():
-            if "lora_B" in name:
-                param.mul_(-1.5)
-    pushed = adapter_push("policy", trainer, version=1, rank=None, alpha=None, use_rslora=False, target_modules=None)
+    pushed = trainer_push(moe_base, moe_adapters["experts"])
     one = _run(moe_base, moe_adapters, 1, pushed, MOE_JOBS, max_cpu_loras=4)
     ep = _run(moe_base, moe_adapters, 2, pushed, MOE_JOBS, max_cpu_loras=4, enable_expert_parallel=True)
     _assert_close(ep, one)
@@ -111,16 +104,7 @@ def test_expert_adapters_and_a_push_equal_one_rank(moe_base, moe_adapters):  # n
 
 
 def test_batch_invariant_expert_adapter_rows_are_their_own(moe_base, moe_adapters):  # noqa: F811 - fixtures
-    engine = _engine(moe_base, moe_adapters, 2, batch_invariant=True, enable_expert_parallel=True)
-    try:
-        batched = [(o.generated_tokens, o.generated_log_probs)
-                   for o in run_requests(engine, [(p, _greedy(n)) for p, n in MOE_JOBS])]
-        alone = [(o.generated_tokens, o.generated_log_probs)
-                 for p, n in MOE_JOBS for o in run_requests(engine, [(p, _greedy(n))])]
-    finally:
-        engine.shutdown()
-    assert batched == alone
-    _assert_close(batched, _run(moe_base, moe_adapters, 1, jobs=MOE_JOBS, batch_invariant=True))
+    assert_expert_rows_their_own(moe_base, moe_adapters, enable_expert_parallel=True)
 
 
 def test_refit_from_a_directory_and_from_a_trainers_tensors(qwen3_moe, tmp_path):

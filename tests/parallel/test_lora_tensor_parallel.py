@@ -17,6 +17,7 @@ from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.lora.slots import LoraSlots
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.wire.rendezvous import LoraPush
 
 from ..engine.test_lora_engine import _broken_copy
 from ..lora_adapters import make_peft_adapter, peft_model
@@ -74,14 +75,20 @@ def _assert_close(tp2, tp1) -> None:
         assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
-@pytest.mark.slow
-def test_tp2_with_adapters_and_a_push_equals_tp1(base, adapters):
-    trainer = peft_model(base, adapters["r8"])
-    with torch.no_grad():  # the trainer's next policy: a different adapter than the directory's
+def trainer_push(base: str, adapter: str) -> tuple[list[tuple[str, torch.Tensor]], LoraPush]:
+    """The trainer's next policy pushed from its memory: ``adapter`` with every ``B`` scaled by -1.5, a different
+    adapter than the directory's."""
+    trainer = peft_model(base, adapter)
+    with torch.no_grad():
         for name, param in trainer.named_parameters():
             if "lora_B" in name:
                 param.mul_(-1.5)
-    pushed = adapter_push("policy", trainer, version=1, rank=None, alpha=None, use_rslora=False, target_modules=None)
+    return adapter_push("policy", trainer, version=1, rank=None, alpha=None, use_rslora=False, target_modules=None)
+
+
+@pytest.mark.slow
+def test_tp2_with_adapters_and_a_push_equals_tp1(base, adapters):
+    pushed = trainer_push(base, adapters["r8"])
     tp1 = _run(base, adapters, 1, pushed)
     tp2 = _run(base, adapters, 2, pushed)
     _assert_close(tp2, tp1)
@@ -109,6 +116,21 @@ MOE_JOBS = [(PROMPTS[0], "experts"), (PROMPTS[1], None), (PROMPTS[2], "dense"), 
             (PROMPTS[0], None), (PROMPTS[1], "experts")]
 
 
+def assert_expert_rows_their_own(base: str, adapters: dict[str, str], **parallel) -> None:
+    """At two ranks (``parallel``: how they split the experts) in ``--batch-invariant``, each of ``MOE_JOBS``'s
+    rows in the mixed batch is bitwise what it is alone, and close to one rank's."""
+    engine = _engine(base, adapters, 2, batch_invariant=True, **parallel)
+    try:
+        batched = [(o.generated_tokens, o.generated_log_probs)
+                   for o in run_requests(engine, [(p, _greedy(n)) for p, n in MOE_JOBS])]
+        alone = [(o.generated_tokens, o.generated_log_probs)
+                 for p, n in MOE_JOBS for o in run_requests(engine, [(p, _greedy(n))])]
+    finally:
+        engine.shutdown()
+    assert batched == alone
+    _assert_close(batched, _run(base, adapters, 1, jobs=MOE_JOBS, batch_invariant=True))
+
+
 @pytest.fixture(scope="module")
 def moe_base(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("lora-tp-moe"), seed=5, arch="qwen2_moe", num_layers=3,
@@ -127,12 +149,7 @@ def moe_adapters(moe_base, tmp_path_factory) -> dict[str, str]:
 def test_tp2_with_expert_adapters_and_an_expert_push_equals_tp1(moe_base, moe_adapters):
     """A batch of expert-adapter, dense-adapter and base rows, then a trainer's push of an expert adapter (the RL
     path: rank 0 keeps it and sends each rank its share at the slot write)."""
-    trainer = peft_model(moe_base, moe_adapters["experts"])
-    with torch.no_grad():
-        for name, param in trainer.named_parameters():
-            if "lora_B" in name:
-                param.mul_(-1.5)
-    pushed = adapter_push("policy", trainer, version=1, rank=None, alpha=None, use_rslora=False, target_modules=None)
+    pushed = trainer_push(moe_base, moe_adapters["experts"])
     assert {key.rpartition(".lora_")[0] for key, _ in pushed[0]} == {
         "base_model.model.model.layers.1.mlp.experts.base_layer", "base_model.model.model.layers.1.mlp.experts"}
     tp1 = _run(moe_base, moe_adapters, 1, pushed, MOE_JOBS, max_cpu_loras=4)
@@ -147,16 +164,7 @@ def test_tp2_batch_invariant_expert_rows_are_their_own_and_equal_tp1(moe_base, m
     """``--batch-invariant`` at TP=2: each row of the mixed batch is bitwise what it is alone (the experts'
     partial sums, adapter rows included, added in rank order on every rank); against TP=1 the tokens are equal
     and the log probs close (each TP size splits the reductions its own way)."""
-    engine = _engine(moe_base, moe_adapters, 2, batch_invariant=True)
-    try:
-        batched = [(o.generated_tokens, o.generated_log_probs)
-                   for o in run_requests(engine, [(p, _greedy(n)) for p, n in MOE_JOBS])]
-        alone = [(o.generated_tokens, o.generated_log_probs)
-                 for p, n in MOE_JOBS for o in run_requests(engine, [(p, _greedy(n))])]
-    finally:
-        engine.shutdown()
-    assert batched == alone
-    _assert_close(batched, _run(moe_base, moe_adapters, 1, jobs=MOE_JOBS, batch_invariant=True))
+    assert_expert_rows_their_own(moe_base, moe_adapters)
 
 
 def _expert_outputs(base: str, adapter: str, tp: TensorParallel) -> torch.Tensor:
