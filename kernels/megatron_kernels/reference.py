@@ -93,9 +93,18 @@ def write_kv_cache(
 
 
 def apply_rotary_write_kv_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary`` then ``write_kv_cache`` of the rotated keys and ``v``; returns the rotated ``(q, k)``."""
     q, k = apply_rotary(q, k, positions, cos, sin)
@@ -104,9 +113,16 @@ def apply_rotary_write_kv_cache(
 
 
 def paged_attention_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
-    *, out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
 
@@ -222,9 +238,17 @@ def decode_groups(lens: tuple[int, ...], block_size: int, cost: int) -> tuple[tu
 
 
 def paged_attention_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    *, out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
 
@@ -256,8 +280,15 @@ def paged_attention_prefill(
 
 
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block: Block = None,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: Block = None,
 ) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: every token through its ``k`` experts, outputs summed by router weight.
 

@@ -136,10 +136,18 @@ def decode_block_n(q: torch.Tensor) -> int:
 
 
 def paged_attention_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
-    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-    num_splits: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_decode`.
 

@@ -177,8 +177,15 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: to
 
 
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block: Block = None,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: Block = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.fused_moe`."""
     # A GPU's dot on 16-bit operands takes K tiles of 16 or more, and a tile must divide the scale block's K.

@@ -107,10 +107,19 @@ def _prefill_kernel(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-    block_m: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_prefill`.
 

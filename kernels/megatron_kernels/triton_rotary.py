@@ -203,9 +203,18 @@ def apply_rotary(
 
 
 def apply_rotary_write_kv_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q``/``k`` and write the rotated keys and ``v`` into the cache in one kernel (into an FP8
     cache quantized, with ``k_scales``/``v_scales``: see :mod:`megatron_kernels.reference`)."""
