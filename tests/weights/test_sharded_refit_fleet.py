@@ -16,7 +16,9 @@ its old epoch, still serving, and the living rank raises well within its timeout
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -94,21 +96,30 @@ def models(tmp_path_factory):
                            tokenizer=Tokenizer.from_pretrained(a))
 
 
-@pytest.fixture(scope="module")
-def fleet(models, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("sharded-refit-logs"))
+@contextlib.contextmanager
+def three_groups(model: str, log_dir: Path, *third: str) -> Iterator[SimpleNamespace]:
+    """A coordinator and three engine groups serving ``model`` (every rank a process of its own): tensor-parallel 1,
+    tensor-parallel 2, and a two-rank group split as ``third`` says; every child killed after."""
+    children = Children(log_dir)
     port = free_port()
-    # round robin: every group gets some of every batch; a heartbeat timeout for a loaded machine (an engine busy
-    # with its first steps for more than the default 10 s is removed, and registers again)
-    children.coordinator(models.a, port, "--routing", "round_robin", "--heartbeat-timeout", "120")
-    children.engine(models.a, port, "--group", "0")
-    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
-    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2", *pair)
-    children.engine(models.a, port, "--group", "2", "--pipeline-parallel-size", "2", *pair)
     try:
+        # round robin: every group gets some of every batch; a heartbeat timeout for a loaded machine (an engine
+        # busy with its first steps for more than the default 10 s is removed, and registers again)
+        children.coordinator(model, port, "--routing", "round_robin", "--heartbeat-timeout", "120")
+        children.engine(model, port, "--group", "0")
+        pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
+        children.engine(model, port, "--group", "1", "--tensor-parallel", "2", *pair)
+        children.engine(model, port, "--group", "2", *third, *pair)
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children, groups=3)
     finally:
         children.kill_all()
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    with three_groups(models.a, tmp_path_factory.mktemp("sharded-refit-logs"), "--pipeline-parallel-size",
+                      "2") as groups:
+        yield groups
 
 
 def run_trainers(fleet, model: str, epoch: int, world_size: int, *extra: str,

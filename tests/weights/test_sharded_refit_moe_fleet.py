@@ -20,10 +20,8 @@ from safetensors.torch import load_file
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..devices import tensor_parallel_device
-from ..helpers import Children, free_port
 from .sharded_trainer import EXPERT
-from .test_sharded_refit_fleet import assert_serves, outputs, run_trainers
+from .test_sharded_refit_fleet import assert_serves, outputs, run_trainers, three_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,18 +37,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("sharded-refit-moe-logs"))
-    port = free_port()
-    # round robin: every group gets some of every batch (a heartbeat timeout for a loaded machine)
-    children.coordinator(models.a, port, "--routing", "round_robin", "--heartbeat-timeout", "120")
-    children.engine(models.a, port, "--group", "0")
-    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
-    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2", *pair)
-    children.engine(models.a, port, "--group", "2", "--tensor-parallel", "2", "--enable-expert-parallel", *pair)
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
-    finally:
-        children.kill_all()
+    with three_groups(models.a, tmp_path_factory.mktemp("sharded-refit-moe-logs"), "--tensor-parallel", "2",
+                      "--enable-expert-parallel") as groups:
+        yield groups
 
 
 async def test_four_trainer_ranks_with_experts_split_by_rank_refit_the_fleet(fleet, models):
