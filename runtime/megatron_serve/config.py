@@ -384,8 +384,7 @@ class InferenceConfig:
                              "engine groups: --engines)")
         refused = [name for name, on in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
                                          ("LoRA adapters", self.enable_lora),
-                                         ("speculative decoding", self.speculative is not None),
-                                         ("kv_offloading_size", self.kv_offloading_size is not None)) if on]
+                                         ("speculative decoding", self.speculative is not None)) if on]
         if refused:
             raise ValueError(f"data_parallel_size {size} does not serve {', '.join(refused)} yet")
 
@@ -396,8 +395,6 @@ class InferenceConfig:
                 raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
             if not self.enable_prefix_caching:
                 raise ValueError("kv_offloading_size needs enable_prefix_caching: the host tier holds cached blocks")
-            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-                raise ValueError("kv_offloading_size is not implemented with tensor or pipeline parallelism yet")
             self.kv_offloading_size = float(size)
         self._check_disk_tier()
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)  # a dict when it crossed processes
@@ -420,6 +417,9 @@ class InferenceConfig:
         if missing:
             raise ValueError(f"kv_offloading_backend 'disk' needs {', '.join(missing)} (the disk tier holds what the "
                              "host tier evicts, in a directory of a bounded size)")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("kv_offloading_backend 'disk' is not implemented with tensor or pipeline parallelism yet "
+                             "(its files hold whole blocks, and each rank holds a part of one; the host tier is)")
         size = self.kv_disk_size
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
             raise ValueError(f"kv_disk_size must be a positive number of GiB, got {size!r}")

@@ -78,7 +78,7 @@ def feature_runs(dp: int) -> list[list[list[Request]]]:
 
 def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     """Every case a layout serves: per model greedy float32 and batch-invariant bfloat16 (and the control, beside
-    other ranks); at DP 1 and 2 FP8 experts; at DP 2 the prefix cache under preemption. With tensor-parallel ranks:
+    other ranks); at DP 1 and 2 FP8 experts; at DP 2 the prefix cache under preemption (and with a host tier). With tensor-parallel ranks:
     per model batch-invariant bfloat16 (and at TP 2 the control, partial sums in the row-parallel layers); at DP 2 x
     TP 2 Qwen2-MoE greedy and batch-invariant."""
     invariant = dict(dtype="bfloat16", batch_invariant=True)
@@ -103,7 +103,9 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     if dp < 4:
         cases.append(Case("fp8", models["fp8"], split_runs(dp, INVARIANT_TOKENS), dict(kv_cache_dtype="fp8")))
     if dp == 2:
-        cases += [Case("features", models["qwen3_moe"], feature_runs(dp), dict(dtype="float32", **FEATURES)), graphs]
+        cases += [Case("features", models["qwen3_moe"], feature_runs(dp), dict(dtype="float32", **FEATURES)), graphs,
+                  Case("host_tier", models["qwen3_moe"], feature_runs(dp),
+                       dict(dtype="float32", kv_offloading_size=0.01, **FEATURES))]
     return cases
 
 
@@ -260,7 +262,7 @@ def test_fp8_experts_equal_one_rank(served):
 @pytest.mark.timeout(1800)
 def test_preemption_and_the_prefix_cache_change_nothing(served):
     """A pool of about two requests on each rank (preemptions, recomputed), then prompts again (the prefix cache
-    serves them): every request's tokens and routing are one rank's in a roomy pool."""
+    serves them): every request's tokens and routing are one rank's in a roomy pool; and so with a host KV tier."""
     one = by_prompt(served(1)["qwen3_moe:greedy"])
     ranks = served(2)["features"]
     first = [r for rank in ranks for r in rank[0]]
@@ -275,6 +277,9 @@ def test_preemption_and_the_prefix_cache_change_nothing(served):
         assert request.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
     for request in again:
         assert request.generated_tokens == one[prompts[request.request_id.replace("again-", "d", 1)]][0]
+    with_tier = served(2)["host_tier"]  # each data-parallel rank with a host tier of its own: the same tokens
+    assert [[r.generated_tokens for r in run] for rank in with_tier for run in rank] == [
+        [r.generated_tokens for r in run] for rank in ranks for run in rank]
 
 
 @pytest.mark.parametrize("arch", sorted(VARIANTS))

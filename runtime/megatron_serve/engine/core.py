@@ -102,13 +102,13 @@ class DynamicInferenceEngine:
                              if config.kv_events_config is not None and config.kv_events_config.publishes else None)
         if self.kv_publisher is not None:
             self.kv_events.attach(self.kv_publisher)  # its first batch: AllBlocksCleared (a start knows nothing)
-        self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size, self.kv_events)
-        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier,
-                                        self.kv_events)
-        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
+        self.host_tier = HostKVTier.sized(self.kv_cache, config, self.kv_events, runner.kv_copier())
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier,
+                                        self.kv_events)
+        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,

@@ -23,6 +23,7 @@ from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.experts.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .kv.copier import Copier, copier_for
 from .group.data_parallel import empty_moe_pass
 from .group.turns import Turn
 from .micro_batches import micro_batches
@@ -89,6 +90,11 @@ class ModelRunner:
         if graphs.mixed is not None and graphs.mixed.covers(plan, size):
             return graphs.mixed
         return None
+
+    def kv_copier(self) -> Copier:
+        """How the host KV tier copies blocks between this runner's pool and host memory (a group's rank 0 tells
+        its other ranks too)."""
+        return copier_for(self.device)
 
     def padded_size(self, group_tokens: int | None) -> int | None:
         """The graph size a data-parallel group's step pads to on every rank (None: no agreed step, or larger than

@@ -1,6 +1,6 @@
 """A rank other than 0 (:func:`run_worker`, the target of its process): load its slice, mirror rank 0's KV pool, and
-follow rank 0's broadcasts until stop, with its own part of suspend and resume (:class:`FollowerMemory`) and of a
-refit (:func:`_follow_refit`)."""
+follow rank 0's broadcasts until stop, with its own part of suspend and resume (:class:`FollowerMemory`), of a
+refit (:func:`_follow_refit`) and of the host KV tier's copies (:class:`.kv_tier.FollowerTier`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from ..kv.park import ParkedKV, ParkOrder
 from ..runner import ModelRunner
 from ..sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .channel import broadcast_previous_tokens
+from .kv_tier import FollowerTier
 from .placement import Placement, join_group, rank_device, release_groups
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     memory = FollowerMemory(model, pool, runner, device)
+    tier = FollowerTier(pool, device)
     freeze_startup_heap()  # as rank 0's process does once loaded; a rank forked from it collects again from here
     while True:
         kind, payload, tokens = channel.receive()
@@ -84,6 +86,8 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             slots.write(*payload)
         elif kind == "peer":  # a joiner pulls our weights: this rank sends its own to the joiner's same rank
             dist.gather_object(follow_share(model, payload), None, dst=channel.leader, group=channel.group)
+        elif kind == "kv_copy":
+            tier.apply(payload)
         elif kind == "stop":
             break
     dist.destroy_process_group()

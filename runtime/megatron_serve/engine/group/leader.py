@@ -15,11 +15,13 @@ from ...errors import EngineGroupLost
 from ...model.lora.checkpoint import LoraAdapter
 from ...weights.sources import WeightSource
 from ..graphs import StepGraphs
+from ..kv.copier import Copier
 from ..kv.park import ParkOrder
 from ..runner import ModelRunner, StepResult
 from ..step_plan import StepBuffers, StepPlan
 from .channel import PlanChannel, broadcast_previous_tokens
 from .data_parallel import agree_tokens, agree_turn
+from .kv_tier import GroupCopier
 from .placement import release_groups
 from .turns import Turn
 
@@ -101,6 +103,11 @@ class TensorParallelRunner(ModelRunner):
         except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
+
+    def kv_copier(self) -> Copier:
+        """The host tier's copies on every rank (:mod:`.kv_tier`): each told to the group before the step that
+        depends on it."""
+        return GroupCopier(super().kv_copier(), lambda copy: self._broadcast("kv_copy", copy))
 
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)

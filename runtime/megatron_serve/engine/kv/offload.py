@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from ...config import InferenceConfig
 from ...wire.engine_stats import KV_DISK, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from ...wire.tenancy import STANDARD_BAND
@@ -111,9 +112,12 @@ class HostKVTier:
         self.stats = TransferStats()
 
     @classmethod
-    def sized(cls, pool: KVCachePool, gib: float | None, events: KVEventLog | None = None) -> "HostKVTier | None":
-        """The tier ``--kv-offloading-size`` asks for (None: no tier)."""
-        return cls(pool, int(gib * 2**30), events=events) if gib else None
+    def sized(cls, pool: KVCachePool, config: InferenceConfig, events: KVEventLog | None = None,
+              copier: Copier | None = None) -> "HostKVTier | None":
+        """The tier ``--kv-offloading-size`` asks for (None: no tier): that many GiB for the whole group, as vLLM
+        counts it, each tensor-parallel rank or pipeline stage holding its share for its part of every block."""
+        gib, ranks = config.kv_offloading_size, config.tensor_parallel_size * config.pipeline_parallel_size
+        return cls(pool, int(gib * 2**30) // ranks, copier, events) if gib else None
 
     def attach_disk(self, directory: str, capacity_bytes: int, model_identity: str,
                     epoch: Callable[[], int]) -> DiskKVTier:
