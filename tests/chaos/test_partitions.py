@@ -89,13 +89,8 @@ async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_tw
                             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], "coordinator")
             children.engine(tiny_model, port, *ENGINE_ARGS)
             cut_off = _engine_in(children, namespace, tiny_model, port)
-            client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret, coordinator_timeout=3.0)
-            await client.start(timeout=60)
-            await client.wait_for_engines(2, timeout=300)
-            detected, recovered = await _cut_under_streams(client, cut_off.pid, host_side, direct)
-            print(f"\npartition coordinator-engine: detected in {detected:.1f}s, every request done {recovered:.1f}s "
-                  f"after the cut (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
-            client.close()
+            await _cut_and_report(port, children, cut_off.pid, host_side, direct, "coordinator-engine",
+                                  f"heartbeat timeout {HEARTBEAT_TIMEOUT_S}s", coordinator_timeout=3.0)
         finally:
             children.kill_all()
 
@@ -136,6 +131,19 @@ async def _cut_under_streams(client: InferenceClient, pid: int, host_side: str, 
     assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
     assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
     return detected, recovered
+
+
+async def _cut_and_report(port: int, children: Children, pid: int, host_side: str, direct: dict[str, str],
+                          what: str, limit: str, **client_options: float) -> None:
+    """:func:`_cut_under_streams` through a client of the coordinator on ``port`` once both engines registered, and
+    its times printed for partition ``what`` beside the ``limit`` that detects it."""
+    client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret, **client_options)
+    await client.start(timeout=60)
+    await client.wait_for_engines(2, timeout=300)
+    detected, recovered = await _cut_under_streams(client, pid, host_side, direct)
+    print(f"\npartition {what}: detected in {detected:.1f}s, every request done {recovered:.1f}s after the cut "
+          f"({limit})")
+    client.close()
 
 
 def _in_namespace(children: Children, namespace: str, name: str, *args: str, env: dict[str, str] | None = None
@@ -347,12 +355,7 @@ async def test_a_rank_cut_off_from_its_group_moves_the_groups_requests_and_answe
             _in_namespace(children, namespace, "rank-cut-off", "engine", "--model", tiny_model, "--coordinator",
                           f"tcp://{HOST_IP}:{port}", *ENGINE_ARGS, *invariant, "--tensor-parallel", "2",
                           env={**rendezvous, "RANK": "1", "GLOO_SOCKET_IFNAME": engine_side})
-            client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
-            await client.start(timeout=60)
-            await client.wait_for_engines(2, timeout=300)
-            detected, recovered = await _cut_under_streams(client, leader.pid, host_side, direct)
-            print(f"\npartition rank-rank (tensor-parallel group): detected in {detected:.1f}s, every request done "
-                  f"{recovered:.1f}s after the cut (stall time-out {stall_s:g}s)")
-            client.close()
+            await _cut_and_report(port, children, leader.pid, host_side, direct, "rank-rank (tensor-parallel group)",
+                                  f"stall time-out {stall_s:g}s")
         finally:
             children.kill_all()
