@@ -57,6 +57,27 @@ def target_prompt(seed: int = 1) -> list[int]:
     return [rng.randrange(5, 500) for _ in range(40)]
 
 
+def other_requests(count: int, adapters: tuple[str | None, ...] = (None,)) -> list[DynamicInferenceRequest]:
+    """``count`` random requests to serve around a target (drawn from ``random.Random(count)``): prompts of 3 to 59
+    tokens, 1 to 23 tokens each sampled at temperature 1 with its own seed; request ``i`` on
+    ``adapters[i % len(adapters)]`` (``None``: the base model)."""
+    rng = random.Random(count)
+    return [DynamicInferenceRequest(f"other-{i}", None, [rng.randrange(5, 500) for _ in range(rng.randrange(3, 60))],
+                                    SamplingParams(temperature=1.0, seed=i, ignore_eos=True,
+                                                   lora_name=adapters[i % len(adapters)],
+                                                   num_tokens_to_generate=rng.randrange(1, 24)))
+            for i in range(count)]
+
+
+def target_among(engine: DynamicInferenceEngine, params: SamplingParams, others: list[DynamicInferenceRequest]
+                 ) -> tuple[list[int], list[float]]:
+    """The target (:func:`target_prompt` with ``params``) served in the middle of ``others``, arriving with it: its
+    tokens and log probs."""
+    target = DynamicInferenceRequest("target", None, target_prompt(), params)
+    run_all(engine, [*others[:len(others) // 2], target, *others[len(others) // 2:]])
+    return target.generated_tokens, target.generated_log_probs
+
+
 def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sampled: bool = False) -> TargetRun:
     """The target's tokens and log probs with ``setup``'s traffic around it (others arrive with it, half before)."""
     config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),

@@ -9,15 +9,13 @@ among others (whose decode batches shrink through the padded sizes). MoE models 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve import InferenceConfig
 from megatron_serve.engine.core import DynamicInferenceEngine
 
-from .runs import run_all, target_params, target_prompt
+from .runs import other_requests, target_among, target_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,16 +27,7 @@ def _target(model_dir: str, dtype: str, graphs: bool, others: int, sampled: bool
     try:
         captured = engine.worker.runner.graphs is not None and engine.worker.runner.graphs.decode.captured
         assert captured == graphs, f"graphs captured: {captured}, wanted {graphs}"
-        rng = random.Random(others)
-        requests = [DynamicInferenceRequest(f"other-{i}", None,
-                                            [rng.randrange(5, 500) for _ in range(rng.randrange(3, 60))],
-                                            SamplingParams(temperature=1.0, seed=i, ignore_eos=True,
-                                                           num_tokens_to_generate=rng.randrange(1, 24)))
-                    for i in range(others)]
-        target = DynamicInferenceRequest("target", None, target_prompt(), target_params(sampled))
-        requests.insert(len(requests) // 2, target)
-        run_all(engine, requests)
-        return target.generated_tokens, target.generated_log_probs
+        return target_among(engine, target_params(sampled), other_requests(others))
     finally:
         engine.shutdown()
 

@@ -4,15 +4,13 @@ without the mode the batch changes them (the control: the test can fail)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 
 from ..lora_adapters import make_peft_adapter
-from .runs import TARGET_TOKENS, run_all, target_prompt
+from .runs import TARGET_TOKENS, other_requests, target_among
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -41,20 +39,9 @@ def _target(others: int, model_dir: str, adapters: dict[str, str], invariant: bo
                              max_loras=2, max_lora_rank=8, lora_modules=adapters, max_batch_tokens=512)
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     try:
-        rng = random.Random(others)
-        requests = []
-        for index in range(others):
-            params = SamplingParams(temperature=1.0, seed=index, ignore_eos=True, lora_name=("a", "b", None)[index % 3],
-                                    num_tokens_to_generate=rng.randrange(1, 24))
-            requests.append(DynamicInferenceRequest(f"other-{index}", None,
-                                                    [rng.randrange(5, 500) for _ in range(rng.randrange(3, 60))],
-                                                    params))
-        target = DynamicInferenceRequest("target", None, target_prompt(), SamplingParams(
-            temperature=0.0, num_tokens_to_generate=TARGET_TOKENS, ignore_eos=True, return_log_probs=True,
-            lora_name="a"))
-        requests.insert(len(requests) // 2, target)
-        run_all(engine, requests)
-        return target.generated_tokens, target.generated_log_probs
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=TARGET_TOKENS, ignore_eos=True,
+                                return_log_probs=True, lora_name="a")
+        return target_among(engine, params, other_requests(others, ("a", "b", None)))
     finally:
         engine.shutdown()
 
