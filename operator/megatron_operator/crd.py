@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_tenants
+from .crd_fields import free_field, int_field, obj_field, str_field
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -44,25 +45,6 @@ MAX_NAME_LENGTH = 40
 MAX_DATA = 256
 
 
-# --------------------------------------------------------------------------- schema helpers
-
-def _str(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "string", "description": description, **extra}
-
-
-def _int(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "integer", "format": "int32", "description": description, **extra}
-
-
-def _obj(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"type": "object", "description": description, "properties": properties, **extra}
-
-
-def _free(description: str) -> dict[str, Any]:
-    """An object whose content the API server keeps as is (a Kubernetes type we pass through)."""
-    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
-
-
 _QUANTITY = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
@@ -72,7 +54,7 @@ _QUANTITY = {
 
 def _resources(description: str) -> dict[str, Any]:
     quantities = {"type": "object", "additionalProperties": copy.deepcopy(_QUANTITY)}
-    return _obj(description, {
+    return obj_field(description, {
         "limits": {**quantities, "description": "Maximum amount of compute resources allowed."},
         "requests": {**quantities, "description": "Minimum amount of compute resources required."},
     })
@@ -210,62 +192,62 @@ def spec_schema() -> dict[str, Any]:
     Long: one literal, field by field in the order ``kubectl explain`` shows them; split, it would read as
     fragments of one document.
     """
-    model = _obj(
+    model = obj_field(
         "The Hugging Face model the engines serve: a directory in the pods (path), or a Hub id (hub) that an init "
         "container of every pod fetches into the model volume.",
         {
-            "path": _str("Absolute path of the HF model directory, or of a GGUF file (*.gguf), inside the pods "
-                         "(inside mountPath when volume or hub is set). With hub, where the files are fetched to "
-                         "(default: <mountPath>/<org>/<name>[@<revision>]).",
-                         minLength=1, maxLength=4096, pattern="^/"),
-            "hub": _str("Hugging Face Hub id, org/name or org/name@revision (branch, tag or commit): an init "
-                        "container (`megatron-serve download`) fetches it into the model volume before the "
-                        "coordinator and engines start. Without volume, each pod fetches into its own emptyDir; "
-                        "a writable shared volume (e.g. a ReadWriteMany PVC) fetches once.",
-                        maxLength=300, pattern=HUB_ID_PATTERN),
-            "hubTokenSecretRef": _obj(
+            "path": str_field("Absolute path of the HF model directory, or of a GGUF file (*.gguf), inside the pods "
+                              "(inside mountPath when volume or hub is set). With hub, where the files are fetched to "
+                              "(default: <mountPath>/<org>/<name>[@<revision>]).",
+                              minLength=1, maxLength=4096, pattern="^/"),
+            "hub": str_field("Hugging Face Hub id, org/name or org/name@revision (branch, tag or commit): an init "
+                             "container (`megatron-serve download`) fetches it into the model volume before the "
+                             "coordinator and engines start. Without volume, each pod fetches into its own emptyDir; "
+                             "a writable shared volume (e.g. a ReadWriteMany PVC) fetches once.",
+                             maxLength=300, pattern=HUB_ID_PATTERN),
+            "hubTokenSecretRef": obj_field(
                 "Secret key holding an HF_TOKEN for gated or private Hub models.",
-                {"name": _str("Secret name.", minLength=1, maxLength=253),
-                 "key": _str("Key in the Secret.", minLength=1, maxLength=253)},
+                {"name": str_field("Secret name.", minLength=1, maxLength=253),
+                 "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
                 required=["name", "key"],
             ),
-            "volume": _free("Any Kubernetes volume source holding the model, e.g. "
-                            "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
-                            "hub init container mounts it writable)."),
-            "mountPath": _str("Where the model volume is mounted.", default="/models",
-                              minLength=1, maxLength=1024, pattern="^/"),
-            "dtype": _str("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
-            "maxSequenceLength": _int("Longest prompt + generation, in tokens.", minimum=1),
-            "revision": _str("Optional label of the weights at path (e.g. a training step or commit). Changing "
-                             "path or revision on a running resource refits the weights in place (PAUSE, REFIT, "
-                             "UNPAUSE) when the architecture is unchanged, else rolls the pods.",
-                             maxLength=253),
+            "volume": free_field("Any Kubernetes volume source holding the model, e.g. "
+                                 "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
+                                 "hub init container mounts it writable)."),
+            "mountPath": str_field("Where the model volume is mounted.", default="/models",
+                                   minLength=1, maxLength=1024, pattern="^/"),
+            "dtype": str_field("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
+            "maxSequenceLength": int_field("Longest prompt + generation, in tokens.", minimum=1),
+            "revision": str_field("Optional label of the weights at path (e.g. a training step or commit). Changing "
+                                  "path or revision on a running resource refits the weights in place (PAUSE, REFIT, "
+                                  "UNPAUSE) when the architecture is unchanged, else rolls the pods.",
+                                  maxLength=253),
         },
     )
     model["x-kubernetes-validations"] = _rules_for("spec.model")
-    parallelism = _obj(
+    parallelism = obj_field(
         "Parallel layout: data = number of engine groups, each tensor*pipeline GPUs (engine.parallelism, when set, "
         "gives a group's layout instead of tensor and pipeline).",
         {
-            "tensor": _int("Tensor-parallel ranks per engine group.", minimum=1, maximum=64, default=1),
-            "pipeline": _int("Pipeline-parallel stages per engine group. Reserved: the engine runs one stage, "
-                             "so only 1 is accepted.", minimum=1, maximum=1, default=1),
-            "data": _int("Number of engine groups (data-parallel replicas); scaled by the scale subresource.",
-                         minimum=0, maximum=MAX_DATA, default=1),
+            "tensor": int_field("Tensor-parallel ranks per engine group.", minimum=1, maximum=64, default=1),
+            "pipeline": int_field("Pipeline-parallel stages per engine group. Reserved: the engine runs one stage, "
+                                  "so only 1 is accepted.", minimum=1, maximum=1, default=1),
+            "data": int_field("Number of engine groups (data-parallel replicas); scaled by the scale subresource.",
+                              minimum=0, maximum=MAX_DATA, default=1),
         },
         default={},
     )
-    engine = _obj(
+    engine = obj_field(
         "Engine pods.",
         {
-            "gpusPerPod": _int("GPUs per node/pod; pods per group = ceil(tensor*pipeline / gpusPerPod) (with "
-                               "engine.parallelism.dataParallelAttention: one pod of tensor / dataParallelAttention "
-                               "GPUs per attention rank).",
-                               minimum=1, maximum=16, default=8),
-            "kvCache": _obj(
+            "gpusPerPod": int_field("GPUs per node/pod; pods per group = ceil(tensor*pipeline / gpusPerPod) (with "
+                                    "engine.parallelism.dataParallelAttention: one pod of tensor / "
+                                    "dataParallelAttention GPUs per attention rank).",
+                                    minimum=1, maximum=16, default=8),
+            "kvCache": obj_field(
                 "Paged KV cache.",
                 {
-                    "blockSizeTokens": _int("Tokens per KV block.", minimum=1, maximum=4096),
+                    "blockSizeTokens": int_field("Tokens per KV block.", minimum=1, maximum=4096),
                     "memoryFraction": {"type": "number", "description": "Fraction of free GPU memory for the KV pool.",
                                        "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
                     "prefixCaching": {"type": "boolean", "description": "Share KV blocks of common prefixes.",
@@ -273,7 +255,7 @@ def spec_schema() -> dict[str, Any]:
                 },
                 default={},
             ),
-            "maxBatchTokens": _int("Token budget of one engine step.", minimum=1),
+            "maxBatchTokens": int_field("Token budget of one engine step.", minimum=1),
             "cudaGraphs": {"type": "boolean", "default": True,
                            "description": "Replay decode steps from CUDA graphs (false: every step runs eagerly)."},
             "batchInvariant": {"type": "boolean", "default": False,
@@ -281,30 +263,33 @@ def spec_schema() -> dict[str, Any]:
                                               "probs and tokens are bitwise its own whatever else shares the engine's "
                                               "steps, and equal to a trainer's forward under "
                                               "megatron_serve.invariant. Changing it rolls the engine pods."},
-            "quantization": _str("fp8: quantize a bf16 checkpoint's linear layers to FP8 when the engines load it "
-                                 "(one scale per output row, activations per token; about half the weight memory). "
-                                 "FP8 checkpoints (compressed-tensors, block-wise fp8) are served as FP8 without it. "
-                                 "Changing it rolls the engine pods.", enum=list(QUANTIZATIONS), default="none"),
-            "kvCacheDtype": _str("fp8: KV cache in e4m3 with a scale per token and KV head, about twice the tokens "
-                                 "in the same memory; auto: the model dtype. Changing it rolls the engine pods.",
-                                 enum=list(KV_CACHE_DTYPES), default="auto"),
+            "quantization": str_field("fp8: quantize a bf16 checkpoint's linear layers to FP8 when the engines load it "
+                                      "(one scale per output row, activations per token; about half the weight "
+                                      "memory). FP8 checkpoints (compressed-tensors, block-wise fp8) are served as FP8 "
+                                      "without it. Changing it rolls the engine pods.",
+                                      enum=list(QUANTIZATIONS), default="none"),
+            "kvCacheDtype": str_field("fp8: KV cache in e4m3 with a scale per token and KV head, about twice the "
+                                      "tokens in the same memory; auto: the model dtype. Changing it rolls the "
+                                      "engine pods.",
+                                      enum=list(KV_CACHE_DTYPES), default="auto"),
             **crd_kv_tiers.kv_tier_fields(),
-            "speculative": _obj(
+            "speculative": obj_field(
                 "Speculative decoding (--speculative-config; docs/speculative.md): a proposer guesses the next "
                 "tokens and the engine verifies them in one forward; the output is the same as without it. Absent: "
                 "off. Changing it rolls the engine pods.",
                 {
-                    "method": _str("ngram: prompt lookup in the request's own tokens; draft_model: a smaller model "
-                                   "of the same vocabulary at `model`; mtp: the checkpoint's own multi-token-prediction "
-                                   "layer (num_nextn_predict_layers); eagle3: an EAGLE-3 head at `model`.",
-                                   enum=["ngram", "draft_model", "mtp", "eagle3"]),
-                    "numSpeculativeTokens": _int("Tokens guessed per request and step (the most, with adaptive).", minimum=1, maximum=16,
-                                                 default=3),
-                    "promptLookupMin": _int("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
-                    "promptLookupMax": _int("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
-                    "model": _str("draft_model, eagle3: the draft model's or EAGLE-3 head's directory in the engine "
-                                  "pods (required for them).",
-                                  minLength=1),
+                    "method": str_field("ngram: prompt lookup in the request's own tokens; draft_model: a smaller "
+                                        "model of the same vocabulary at `model`; mtp: the checkpoint's own "
+                                        "multi-token-prediction layer (num_nextn_predict_layers); eagle3: an "
+                                        "EAGLE-3 head at `model`.",
+                                        enum=["ngram", "draft_model", "mtp", "eagle3"]),
+                    "numSpeculativeTokens": int_field("Tokens guessed per request and step (the most, with "
+                                                      "adaptive).", minimum=1, maximum=16, default=3),
+                    "promptLookupMin": int_field("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
+                    "promptLookupMax": int_field("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
+                    "model": str_field("draft_model, eagle3: the draft model's or EAGLE-3 head's directory in the "
+                                       "engine pods (required for them).",
+                                       minLength=1),
                     "adaptive": {"type": "boolean",  # no default: absent keeps pod templates as they were
                                  "description": "Default true: each engine picks K (0 up to numSpeculativeTokens) "
                                                 "per request and step from its measured acceptance and step cost, "
@@ -319,43 +304,44 @@ def spec_schema() -> dict[str, Any]:
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},
             "tolerations": {"type": "array", "description": "Tolerations for engine pods.",
-                            "items": _free("A Kubernetes Toleration.")},
-            "affinity": _free("A Kubernetes Affinity for engine pods."),
-            "priorityClassName": _str("PriorityClass of engine pods.", maxLength=253),
+                            "items": free_field("A Kubernetes Toleration.")},
+            "affinity": free_field("A Kubernetes Affinity for engine pods."),
+            "priorityClassName": str_field("PriorityClass of engine pods.", maxLength=253),
         },
         default={},
     )
     engine["x-kubernetes-validations"] = _rules_for("spec.engine")
-    coordinator = _obj(
+    coordinator = obj_field(
         "The coordinator process (routing, lifecycle; prompts arrive tokenized).",
         {
-            "routing": _str("Routing policy.", enum=list(ROUTINGS), default="least_loaded"),
+            "routing": str_field("Routing policy.", enum=list(ROUTINGS), default="least_loaded"),
             "resources": _resources("Resources of the coordinator container."),
         },
         default={},
     )
-    server = _obj(
+    server = obj_field(
         "The OpenAI-compatible HTTP server (runs in the coordinator pod).",
         {
-            "port": _int("HTTP port of the server and its Service.", minimum=1, maximum=65535, default=8000),
-            "probePort": _int("Port of the server's probe port (--health-port): /health and /ready answered by "
-                              "a process of its own, within 100 ms however busy the streams keep the HTTP port "
-                              "(there their p99 was 0.2-0.7 s under 400 streams). The pod's liveness and readiness probes "
-                              "use it; no Service exposes it and no pod is admitted to it (the kubelet's probes "
-                              "come from the node). 0: no probe port, the probes use the HTTP port.",
-                              minimum=0, maximum=65535, default=8001),
-            "apiKeySecretRef": _obj(
+            "port": int_field("HTTP port of the server and its Service.", minimum=1, maximum=65535, default=8000),
+            "probePort": int_field("Port of the server's probe port (--health-port): /health and /ready answered by "
+                                   "a process of its own, within 100 ms however busy the streams keep the HTTP port "
+                                   "(there their p99 was 0.2-0.7 s under 400 streams). The pod's liveness and "
+                                   "readiness probes use it; no Service exposes it and no pod is admitted to it (the "
+                                   "kubelet's probes come from the node). 0: no probe port, the probes use the HTTP "
+                                   "port.",
+                                   minimum=0, maximum=65535, default=8001),
+            "apiKeySecretRef": obj_field(
                 "Secret key holding the API key clients must send.",
-                {"name": _str("Secret name.", minLength=1, maxLength=253),
-                 "key": _str("Key in the Secret.", minLength=1, maxLength=253)},
+                {"name": str_field("Secret name.", minLength=1, maxLength=253),
+                 "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
                 required=["name", "key"],
             ),
             "resources": _resources("Resources of the server container."),
             **crd_tenants.server_fields(),
-            "apiServerCount": _int("HTTP server processes in the server container, sharing its port, each with its "
-                                   "own coordinator client (vLLM's --api-server-count): for more streamed tokens "
-                                   "per second than one process writes. Give the container about one CPU per "
-                                   "process; /metrics stays fleet-wide.", minimum=1, maximum=64, default=1),
+            "apiServerCount": int_field("HTTP server processes in the server container, sharing its port, each with "
+                                        "its own coordinator client (vLLM's --api-server-count): for more streamed "
+                                        "tokens per second than one process writes. Give the container about one CPU "
+                                        "per process; /metrics stays fleet-wide.", minimum=1, maximum=64, default=1),
             "remoteImages": {"type": "boolean", "default": True,
                              "description": "Fetch http(s) image URLs of chat requests (vision-language models); "
                                             "false: only data: URLs, so the server never reaches into the cluster "
@@ -363,37 +349,37 @@ def spec_schema() -> dict[str, Any]:
         },
         default={},
     )
-    lora = _obj(
+    lora = obj_field(
         "LoRA adapters (PEFT checkpoints) the engines serve beside the base model, from a volume: every engine starts "
         "with --enable-lora and --lora-modules NAME=PATH for each adapter, and a request picks one by giving its "
         "name as its model (docs/lora.md). Adding, removing or changing an adapter rolls the engine pods.",
         {
             "adapters": {"type": "array", "default": [], "maxItems": 256,
                          "description": "The adapters served from the start (vLLM's --lora-modules).",
-                         "items": _obj("One adapter.", {
-                             "name": _str("The name requests give as their model; listed in /v1/models with the "
-                                          "base model as its parent.", minLength=1, maxLength=253,
-                                          pattern=LORA_NAME_PATTERN),
-                             "path": _str("Absolute path of the adapter's directory (adapter_config.json and "
-                                          "adapter_model.safetensors) in the engine pods: inside mountPath when "
-                                          "volume is set, or inside the model volume.",
-                                          minLength=1, maxLength=4096, pattern="^/"),
+                         "items": obj_field("One adapter.", {
+                             "name": str_field("The name requests give as their model; listed in /v1/models with the "
+                                               "base model as its parent.", minLength=1, maxLength=253,
+                                               pattern=LORA_NAME_PATTERN),
+                             "path": str_field("Absolute path of the adapter's directory (adapter_config.json and "
+                                               "adapter_model.safetensors) in the engine pods: inside mountPath when "
+                                               "volume is set, or inside the model volume.",
+                                               minLength=1, maxLength=4096, pattern="^/"),
                          }, required=["name", "path"])},
-            "volume": _free("Any Kubernetes volume source holding the adapters, e.g. "
-                            "{persistentVolumeClaim: {claimName: adapters}}; mounted read-only at mountPath in the "
-                            "engine pods."),
-            "mountPath": _str("Where the adapter volume is mounted.", default="/adapters",
-                              minLength=1, maxLength=1024, pattern="^/"),
-            "maxLoras": _int("Adapter slots on each engine's device: the most adapters one step mixes (vLLM's "
-                             "--max-loras).", minimum=1, maximum=256, default=1),
-            "maxLoraRank": _int("Largest adapter rank served (vLLM's --max-lora-rank); a larger adapter is "
-                                "refused with its name.", minimum=1, maximum=512, default=16),
-            "maxCpuLoras": _int("Adapters each engine keeps in host memory (vLLM's --max-cpu-loras; default: enough "
-                                "for maxLoras and every listed adapter).", minimum=1, maximum=4096),
+            "volume": free_field("Any Kubernetes volume source holding the adapters, e.g. "
+                                 "{persistentVolumeClaim: {claimName: adapters}}; mounted read-only at mountPath in "
+                                 "the engine pods."),
+            "mountPath": str_field("Where the adapter volume is mounted.", default="/adapters",
+                                   minLength=1, maxLength=1024, pattern="^/"),
+            "maxLoras": int_field("Adapter slots on each engine's device: the most adapters one step mixes (vLLM's "
+                                  "--max-loras).", minimum=1, maximum=256, default=1),
+            "maxLoraRank": int_field("Largest adapter rank served (vLLM's --max-lora-rank); a larger adapter is "
+                                     "refused with its name.", minimum=1, maximum=512, default=16),
+            "maxCpuLoras": int_field("Adapters each engine keeps in host memory (vLLM's --max-cpu-loras; default: "
+                                     "enough for maxLoras and every listed adapter).", minimum=1, maximum=4096),
         },
     )
     lora["x-kubernetes-validations"] = _rules_for("spec.lora")
-    network = _obj(
+    network = obj_field(
         "Who may reach the fleet's pods besides the fleet itself and the operator. Every container port of every "
         "child is covered by a NetworkPolicy: the coordinator port admits the fleet's pods, the operator and these "
         "peers; the engine pods admit each other and these peers; the OpenAI port admits everyone (it takes the API "
@@ -404,19 +390,19 @@ def spec_schema() -> dict[str, Any]:
                                         "pods of an RL fleet: admitted to the coordinator port (with the fleet secret "
                                         "they submit rollouts, pause and refit) and to the engine pods (the weight "
                                         "transfer's collective connects there).",
-                         "items": _free("A Kubernetes NetworkPolicyPeer.")},
+                         "items": free_field("A Kubernetes NetworkPolicyPeer.")},
         },
         default={},
     )
-    spec = _obj(
+    spec = obj_field(
         "Desired state of a served model.",
         {
-            "image": _str("Runtime image; the operator's default when omitted.", minLength=1, maxLength=1024),
-            "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"]),
+            "image": str_field("Runtime image; the operator's default when omitted.", minLength=1, maxLength=1024),
+            "imagePullPolicy": str_field("Image pull policy.", enum=["Always", "IfNotPresent", "Never"]),
             "imagePullSecrets": {"type": "array", "description": "Secrets to pull the image.",
-                                 "items": _obj("A LocalObjectReference.",
-                                               {"name": _str("Secret name.", minLength=1, maxLength=253)},
-                                               required=["name"])},
+                                 "items": obj_field("A LocalObjectReference.",
+                                                    {"name": str_field("Secret name.", minLength=1, maxLength=253)},
+                                                    required=["name"])},
             "model": model,
             "parallelism": parallelism,
             "engine": engine,
@@ -425,20 +411,21 @@ def spec_schema() -> dict[str, Any]:
             "tenants": crd_tenants.tenants_schema(),
             "lora": lora,
             "network": network,
-            "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
-                              "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES), default="Running"),
-            "pauseMode": _str("What every PAUSE the lifecycle walk sends (towards Paused or Suspended) does with "
-                              "the requests in flight: Keep (pause them in place; they continue after Running), "
-                              "Wait (let running requests finish first, for at most drainTimeoutSeconds; queued "
-                              "ones wait) or Abort (end them at once with finish_reason abort and the tokens so "
-                              "far, for a trainer to resubmit).", enum=list(PAUSE_MODES), default="Keep"),
+            "lifecycle": str_field("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
+                                   "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES),
+                                   default="Running"),
+            "pauseMode": str_field("What every PAUSE the lifecycle walk sends (towards Paused or Suspended) does with "
+                                   "the requests in flight: Keep (pause them in place; they continue after Running), "
+                                   "Wait (let running requests finish first, for at most drainTimeoutSeconds; queued "
+                                   "ones wait) or Abort (end them at once with finish_reason abort and the tokens so "
+                                   "far, for a trainer to resubmit).", enum=list(PAUSE_MODES), default="Keep"),
             "suspendKeepKV": {"type": "boolean", "default": False, "description": (
                 "Whether every SUSPEND the lifecycle walk sends keeps the KV of the requests in flight in host "
                 "memory: resuming copies it back and they continue without recomputing it (engines' --kv-on-refit "
                 "decides after a refit in between).")},
-            "drainTimeoutSeconds": _int("How long engines may drain on shutdown, scale-down or deletion, and how long "
-                                        "a PAUSE with pauseMode Wait lets running requests finish.",
-                                        minimum=0, maximum=3600, default=60),
+            "drainTimeoutSeconds": int_field("How long engines may drain on shutdown, scale-down or deletion, and how "
+                                             "long a PAUSE with pauseMode Wait lets running requests finish.",
+                                             minimum=0, maximum=3600, default=60),
         },
         required=["model"],
     )
@@ -447,50 +434,50 @@ def spec_schema() -> dict[str, Any]:
 
 
 def status_schema() -> dict[str, Any]:
-    condition = _obj(
+    condition = obj_field(
         "A standard condition.",
         {
-            "type": _str("Condition type.", enum=list(CONDITION_TYPES)),
-            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-            "reason": _str("Machine-readable reason."),
-            "message": _str("Human-readable message."),
-            "lastTransitionTime": _str("When the status last changed.", format="date-time"),
+            "type": str_field("Condition type.", enum=list(CONDITION_TYPES)),
+            "status": str_field("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": str_field("Machine-readable reason."),
+            "message": str_field("Human-readable message."),
+            "lastTransitionTime": str_field("When the status last changed.", format="date-time"),
             "observedGeneration": {"type": "integer", "format": "int64",
                                    "description": "Generation the condition was computed for."},
         },
         required=["type", "status"],
     )
-    return _obj(
+    return obj_field(
         "Observed state, written by the operator.",
         {
-            "phase": _str("Summary phase.", enum=list(PHASES)),
-            "lifecycle": _obj("Lifecycle as requested and as acknowledged by the coordinator.", {
-                "desired": _str("spec.lifecycle as last seen.", enum=list(LIFECYCLES)),
-                "observed": _str("Lifecycle acknowledged by the coordinator.", enum=list(LIFECYCLES)),
-                "since": _str("When observed last changed.", format="date-time"),
-                "message": _str("Last acknowledgement or error."),
+            "phase": str_field("Summary phase.", enum=list(PHASES)),
+            "lifecycle": obj_field("Lifecycle as requested and as acknowledged by the coordinator.", {
+                "desired": str_field("spec.lifecycle as last seen.", enum=list(LIFECYCLES)),
+                "observed": str_field("Lifecycle acknowledged by the coordinator.", enum=list(LIFECYCLES)),
+                "since": str_field("When observed last changed.", format="date-time"),
+                "message": str_field("Last acknowledgement or error."),
             }),
-            "engines": _obj("Engine groups.", {
-                "desired": _int("Engine groups wanted now (0 when Shutdown).", minimum=0),
-                "ready": _int("Engine groups whose pods are all ready.", minimum=0),
-                "connected": _int("Engine groups registered with the coordinator.", minimum=0),
+            "engines": obj_field("Engine groups.", {
+                "desired": int_field("Engine groups wanted now (0 when Shutdown).", minimum=0),
+                "ready": int_field("Engine groups whose pods are all ready.", minimum=0),
+                "connected": int_field("Engine groups registered with the coordinator.", minimum=0),
             }),
-            "model": _obj("The weights being served.", {
-                "path": _str("spec.model.path of the weights the engines serve."),
-                "revision": _str("spec.model.revision of those weights."),
-                "hub": _str("spec.model.hub the weights were fetched from (absent: none)."),
+            "model": obj_field("The weights being served.", {
+                "path": str_field("spec.model.path of the weights the engines serve."),
+                "revision": str_field("spec.model.revision of those weights."),
+                "hub": str_field("spec.model.hub the weights were fetched from (absent: none)."),
                 "epoch": {"type": "integer", "format": "int64", "minimum": 0,
                           "description": "Weights generation set by the last in-place refit (0: as started)."},
-                "refittedAt": _str("When the last in-place refit was acknowledged.", format="date-time"),
-                "templatePath": _str("Model path in the pod templates: engines that start load it, then the "
-                                     "coordinator's current weights. Changes only when pods must roll."),
-                "templateHub": _str("spec.model.hub the pod templates fetch into templatePath (absent: none)."),
+                "refittedAt": str_field("When the last in-place refit was acknowledged.", format="date-time"),
+                "templatePath": str_field("Model path in the pod templates: engines that start load it, then the "
+                                          "coordinator's current weights. Changes only when pods must roll."),
+                "templateHub": str_field("spec.model.hub the pod templates fetch into templatePath (absent: none)."),
             }),
             "groups": crd_layout.groups_status_schema(),
             "roles": crd_disaggregation.roles_status_schema(),
             "kvEvents": crd_kv_tiers.events_status_schema(),
-            "endpoint": _str("OpenAI base URL inside the cluster."),
-            "selector": _str("Label selector of engine pods (for the scale subresource)."),
+            "endpoint": str_field("OpenAI base URL inside the cluster."),
+            "selector": str_field("Label selector of engine pods (for the scale subresource)."),
             "observedGeneration": {"type": "integer", "format": "int64",
                                    "description": "metadata.generation the status reflects."},
             "conditions": {"type": "array", "description": "Ready, CoordinatorReady, EnginesReady, "

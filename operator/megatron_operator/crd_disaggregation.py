@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .crd_fields import int_field, obj_field
 from .crd_rules import CelCheck, one_rank_groups_rule
 
 MAX_REPLICAS = 256
@@ -21,41 +22,38 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def _replicas(description: str) -> dict[str, Any]:
-    return {"type": "integer", "format": "int32", "description": description, "minimum": 1,
-            "maximum": MAX_REPLICAS}
+    return int_field(description, minimum=1, maximum=MAX_REPLICAS)
 
 
 def disaggregation_schema() -> dict[str, Any]:
     """``spec.engine.disaggregation`` (its CEL rules are added by :mod:`.crd` from :data:`CEL_RULES`)."""
-    return {
-        "type": "object",
-        "description": "Prefill/decode disaggregation (docs/kv-tiers.md): the first prefillReplicas engine groups "
-                       "compute prompts and first tokens, the next decodeReplicas groups continue from the KV "
-                       "blocks the coordinator hands them (--kv-transfer-config with kv_role kv_producer or "
-                       "kv_consumer). spec.parallelism.data must be their sum, and each group one rank (tensor "
-                       "and pipeline 1). Absent: every engine does both. Changing it rolls the engine pods.",
-        "properties": {
+    return obj_field(
+        "Prefill/decode disaggregation (docs/kv-tiers.md): the first prefillReplicas engine groups "
+        "compute prompts and first tokens, the next decodeReplicas groups continue from the KV "
+        "blocks the coordinator hands them (--kv-transfer-config with kv_role kv_producer or "
+        "kv_consumer). spec.parallelism.data must be their sum, and each group one rank (tensor "
+        "and pipeline 1). Absent: every engine does both. Changing it rolls the engine pods.",
+        {
             "prefillReplicas": _replicas("Prefill engine groups (run --prefill-engines)."),
             "decodeReplicas": _replicas("Decode engine groups (run --decode-engines)."),
         },
-        "required": ["prefillReplicas", "decodeReplicas"],
-    }
+        required=["prefillReplicas", "decodeReplicas"],
+    )
 
 
 def roles_status_schema() -> dict[str, Any]:
     """``status.roles``: each engine group's part (written for resources with engine.disaggregation)."""
-    role = {
-        "type": "object",
-        "description": "One engine group's part.",
-        "properties": {
+    role = obj_field(
+        "One engine group's part.",
+        {
             "group": {"type": "integer", "format": "int32", "minimum": 0, "description": "Engine group id."},
             "role": {"type": "string", "enum": list(KV_ROLES), "description": "prefill or decode."},
             "kvRole": {"type": "string", "enum": list(KV_ROLES.values()),
                        "description": "The kv_role of the group's --kv-transfer-config."},
             "ready": {"type": "boolean", "description": "The group's pods are all ready."},
         },
-        "required": ["group", "role"],
-    }
+        required=["group", "role"],
+    )
     return {"type": "array", "items": role,
             "description": "Disaggregated resources (spec.engine.disaggregation): each engine group's role."}
 

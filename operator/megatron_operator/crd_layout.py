@@ -19,6 +19,8 @@ from typing import Any
 
 from megatron_serve.client.vllm_options import ALL2ALL_BACKENDS
 
+from .crd_fields import int_field, obj_field
+
 MAX_TENSOR = 64
 MAX_PIPELINE = 16
 
@@ -26,20 +28,18 @@ CelCheck = Callable[[dict[str, Any]], bool]
 
 
 def _size(description: str, maximum: int) -> dict[str, Any]:
-    return {"type": "integer", "format": "int32", "description": description, "minimum": 1, "maximum": maximum,
-            "default": 1}
+    return int_field(description, minimum=1, maximum=maximum, default=1)
 
 
 def parallelism_schema() -> dict[str, Any]:
     """``spec.engine.parallelism`` (its CEL rules are added by :mod:`.crd` from :data:`CEL_RULES`)."""
-    return {
-        "type": "object",
-        "description": "Layout of one engine group (docs/parallelism.md, On Kubernetes). Set, each group is rendered "
-                       "as one gang: a leader pod and worker pods (a LeaderWorkerSet where the cluster has its CRD, "
-                       "else a StatefulSet) that start together and restart together when one rank dies. Absent: "
-                       "spec.parallelism.tensor and .pipeline give the layout, as before. spec.parallelism.data stays "
-                       "the number of groups.",
-        "properties": {
+    return obj_field(
+        "Layout of one engine group (docs/parallelism.md, On Kubernetes). Set, each group is rendered "
+        "as one gang: a leader pod and worker pods (a LeaderWorkerSet where the cluster has its CRD, "
+        "else a StatefulSet) that start together and restart together when one rank dies. Absent: "
+        "spec.parallelism.tensor and .pipeline give the layout, as before. spec.parallelism.data stays "
+        "the number of groups.",
+        {
             "tensor": _size("Ranks (GPUs) of one pipeline stage. With dataParallelAttention, each attention rank "
                             "runs tensor / dataParallelAttention-way tensor parallelism (the engines' "
                             "--tensor-parallel-size).", MAX_TENSOR),
@@ -57,15 +57,14 @@ def parallelism_schema() -> dict[str, Any]:
                                            "--enable-expert-parallel); must divide tensor and needs expert = tensor.",
                                            MAX_TENSOR),
         },
-    }
+    )
 
 
 def groups_status_schema() -> dict[str, Any]:
     """``status.groups``: each gang's ranks, one entry per pod (written for resources with engine.parallelism)."""
-    rank = {
-        "type": "object",
-        "description": "One pod of the group.",
-        "properties": {
+    rank = obj_field(
+        "One pod of the group.",
+        {
             "rank": {"type": "integer", "format": "int32", "minimum": 0,
                      "description": "The pod's node rank: 0 is the leader (the group's rank 0, which talks to the "
                                     "coordinator)."},
@@ -78,12 +77,11 @@ def groups_status_schema() -> dict[str, Any]:
                          "description": "Restarts of the pod's engine container."},
             "nodeName": {"type": "string", "description": "Node the pod runs on."},
         },
-        "required": ["rank", "pod"],
-    }
-    group = {
-        "type": "object",
-        "description": "One engine group (gang).",
-        "properties": {
+        required=["rank", "pod"],
+    )
+    group = obj_field(
+        "One engine group (gang).",
+        {
             "group": {"type": "integer", "format": "int32", "minimum": 0, "description": "Engine group id."},
             "workload": {"type": "string", "enum": ["LeaderWorkerSet", "StatefulSet"],
                          "description": "Kind of the group's workload."},
@@ -102,8 +100,8 @@ def groups_status_schema() -> dict[str, Any]:
                 }},
             },
         },
-        "required": ["group"],
-    }
+        required=["group"],
+    )
     return {"type": "array", "items": group,
             "description": "Engine groups rendered as gangs (spec.engine.parallelism): each pod of each group."}
 

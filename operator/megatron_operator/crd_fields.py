@@ -1,0 +1,27 @@
+"""Builders of the CRD's OpenAPI fields, for :mod:`.crd` and its field groups (the ``crd_*`` modules).
+
+Part of the CRD of :mod:`megatron_operator.crd`; it imports nothing of the operator, so that every ``crd_*``
+module may use it. Each builder puts ``type`` and ``description`` first, as the generated YAML shows them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def str_field(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def int_field(description: str, **extra: Any) -> dict[str, Any]:
+    """An int32 (what the API server stores for integers unless told otherwise)."""
+    return {"type": "integer", "format": "int32", "description": description, **extra}
+
+
+def obj_field(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"type": "object", "description": description, "properties": properties, **extra}
+
+
+def free_field(description: str) -> dict[str, Any]:
+    """An object whose content the API server keeps as is (a Kubernetes type we pass through)."""
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
