@@ -28,13 +28,14 @@ import datetime
 import os
 import socket
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 _WORLD_SIZE = "world_size"
 _POLL_S = 0.01
+T = TypeVar("T")
 
 
 def local_address_towards(host: str) -> str:
@@ -176,6 +177,22 @@ def drop_frames(exc: BaseException) -> BaseException:
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
     return exc
+
+
+def commit_after(group: dist.ProcessGroup, device: torch.device, moves: Callable[[dist.ProcessGroup], T]) -> T:
+    """``moves(group)``, then :func:`commit`; what ``moves`` returned. The group is closed whatever happens, and a
+    failure leaves without its frames (:func:`drop_frames`): the caller hands the group straight in, so that this
+    frame holds the last reference to it and the peers hear of the failure at once."""
+    try:
+        moved = moves(group)
+        commit(group, device)
+        return moved
+    except BaseException as exc:
+        drop_frames(exc)
+        raise
+    finally:
+        close(group)
+        del group
 
 
 def close(group: dist.ProcessGroup | None) -> None:

@@ -147,25 +147,23 @@ def share_rank(model: LlamaForCausalLM, store: dist.Store, host: str, served_epo
     deadline = time.monotonic() + timeout
     for joiner in range(ranks):
         transfer.wait_for_key(store, f"{_READY}/{joiner}", deadline, lambda: store.check([_REFUSED]))
-    group = transfer.process_group(store, rank, 2 * ranks, "gloo", timeout, host)
-    sent = 0
-    try:
-        state = model.state_dict()
-        for names, size in _buckets(state, BUCKET_BYTES):
-            buffer = torch.empty(size, dtype=torch.uint8)
-            for name, offset in names:
-                data = _bytes_of(state[name])
-                buffer[offset:offset + data.numel()].copy_(data)
-            group.send([buffer], ranks + rank, 0).wait()
-            sent += size
-        transfer.commit(group, _CPU)
-    except BaseException as exc:
-        transfer.drop_frames(exc)  # the joiner's ranks hear at once (see drop_frames)
-        raise
-    finally:
-        transfer.close(group)
-        del group
+    sent = transfer.commit_after(transfer.process_group(store, rank, 2 * ranks, "gloo", timeout, host), _CPU,
+                                 lambda group: _send_state(model, group, ranks + rank))
     return {"bytes": sent, "seconds": time.perf_counter() - started}
+
+
+def _send_state(model: LlamaForCausalLM, group: dist.ProcessGroup, joiner: int) -> int:
+    """Every state tensor's bytes to rank ``joiner`` of ``group``, in buckets; the bytes sent."""
+    sent = 0
+    state = model.state_dict()
+    for names, size in _buckets(state, BUCKET_BYTES):
+        buffer = torch.empty(size, dtype=torch.uint8)
+        for name, offset in names:
+            data = _bytes_of(state[name])
+            buffer[offset:offset + data.numel()].copy_(data)
+        group.send([buffer], joiner, 0).wait()
+        sent += size
+    return sent
 
 
 def follow_share(model: LlamaForCausalLM, payload: tuple[str, str, int, float]) -> str | None:
@@ -224,24 +222,8 @@ class PeerSource:
         except transfer.Cancelled:
             raise ValueError(f"the pull from {self.address} was refused: {store.get(_REFUSED).decode()}") from None
         host = transfer.local_address_towards(self.address.rpartition(":")[0])
-        group = transfer.process_group(store, ranks + rank, 2 * ranks, "gloo", self.timeout_s, host)
-        try:
-            with torch.no_grad():
-                state = model.state_dict()
-                for names, size in _buckets(state, BUCKET_BYTES):
-                    buffer = torch.empty(size, dtype=torch.uint8)
-                    group.recv([buffer], rank, 0).wait()
-                    for name, offset in names:
-                        target = state[name]
-                        nbytes = target.numel() * target.element_size()
-                        target.copy_(buffer[offset:offset + nbytes].view(target.dtype).view(target.shape))
-            transfer.commit(group, _CPU)
-        except BaseException as exc:
-            transfer.drop_frames(exc)  # the donor's ranks hear at once (see drop_frames)
-            raise
-        finally:
-            transfer.close(group)
-            del group
+        transfer.commit_after(transfer.process_group(store, ranks + rank, 2 * ranks, "gloo", self.timeout_s, host),
+                              _CPU, lambda group: _receive_state(model, group, rank))
         yield from ()
 
     def _problem(self, donor: dict, model: LlamaForCausalLM, rank: int, ranks: int) -> str | None:
@@ -253,3 +235,16 @@ class PeerSource:
         if donor["epoch"] != self.epoch:
             return f"the donor at {self.address} serves epoch {donor['epoch']}, not the fleet's {self.epoch}"
         return None
+
+
+def _receive_state(model: LlamaForCausalLM, group: dist.ProcessGroup, donor: int) -> None:
+    """Every state tensor of ``model`` written in place from rank ``donor`` of ``group``, in buckets."""
+    with torch.no_grad():
+        state = model.state_dict()
+        for names, size in _buckets(state, BUCKET_BYTES):
+            buffer = torch.empty(size, dtype=torch.uint8)
+            group.recv([buffer], donor, 0).wait()
+            for name, offset in names:
+                target = state[name]
+                nbytes = target.numel() * target.element_size()
+                target.copy_(buffer[offset:offset + nbytes].view(target.dtype).view(target.shape))
