@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import Receive, Scope, Send
 
 from ..tokenizer import Tokenizer
 from .. import __version__
@@ -38,6 +39,7 @@ from .fast_routes import Layer, ServerApp
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
 from .generation_routes import add_generation_routes
+from .http_layer import HTTPLayer
 from .intake import SELF_PARSED, BodySizeLimit, Workers
 from .lora_routes import LORA_BODIES, LORA_PATHS, add_lora_routes, runtime_lora_allowed
 from .metrics import ServerMetrics
@@ -221,17 +223,14 @@ def _layers(ctx: ServerContext) -> list[Layer]:
     return layers
 
 
-class _HTTPMetricsMiddleware:
-    """Counts answers by route template and status (a pure ASGI middleware: streaming stays untouched)."""
+class _HTTPMetricsMiddleware(HTTPLayer):
+    """Counts answers by route template and status."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         status: dict[str, int] = {}
 
         async def send_wrapper(message: dict) -> None:

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..limits import Cost, RequestLimits, engine_request_cost, over_budget
 from .errors import APIError, bad_request, validation_error
+from .http_layer import HTTPLayer
 from .models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -60,7 +61,7 @@ def not_json(content_type: str | None) -> APIError:
                     code="unsupported_media_type")
 
 
-class BodySizeLimit:
+class BodySizeLimit(HTTPLayer):
     """ASGI middleware: bodies larger than ``limit`` bytes get a 413, bodies not declared JSON a 415, in the
     OpenAI error shape.
 
@@ -72,13 +73,10 @@ class BodySizeLimit:
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared, content_type, chunked = _body_headers(scope)
         if declared is not None and declared > self.limit:
             await too_large(self.limit).response()(scope, receive, send)

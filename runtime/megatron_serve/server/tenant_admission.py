@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..wire.tenancy import MAX_TENANT_NAME
 from .errors import APIError
+from .http_layer import HTTPLayer
 from .tenant_budgets import LocalBudgets, SharedBudgets, TenantState
 
 if TYPE_CHECKING:
@@ -63,17 +64,14 @@ def note_key(entry: KeyEntry) -> None:
         current.entry = entry
 
 
-class TenantScope:
+class TenantScope(HTTPLayer):
     """ASGI layer: a fresh :class:`RequestTenancy` for each HTTP request, with its fairness header's value."""
 
     def __init__(self, app: ASGIApp, header: str | None) -> None:
-        self.app = app
+        super().__init__(app)
         self.header = header.lower().encode("latin-1") if header else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         value = None
         if self.header is not None:
             for name, raw in scope["headers"]:
