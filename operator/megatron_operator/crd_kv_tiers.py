@@ -6,8 +6,8 @@ Part of the CRD of :mod:`megatron_operator.crd` (which imports this module, neve
 ``kvOffloadingSize`` is the runtime's ``--kv-offloading-size`` (GiB of host memory for the prefix cache's host
 tier, docs/kv-tiers.md): the engine pods hold that much more memory, so where the resource sets the engine pods'
 memory request or limit the operator raises it by the tier's size (:func:`with_host_tier`). The engine refuses the
-tier without prefix caching and in a group of more than one rank (tensor, pipeline or data-parallel attention), so
-the CRD refuses those too, naming the field. ``kvOnRefit`` is ``--kv-on-refit``: what a resume does with the KV
+tier without prefix caching, and the disk tier in a group of more than one rank (tensor or pipeline), so the CRD
+refuses those too, naming the field. ``kvOnRefit`` is ``--kv-on-refit``: what a resume does with the KV
 that a suspend with ``keep_kv`` (``spec.suspendKeepKV``) kept when a refit came in between.
 
 ``kvDiskTier`` puts the node's disk tier behind the host tier (``--kv-offloading-backend disk``): a volume mounted
@@ -124,9 +124,9 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "engine.kvOffloadingSize needs engine.kvCache.prefixCaching (the host tier holds cached prefix blocks)",
         _prefix_caching_rule,
     ),
-    one_rank_groups_rule("kvOffloadingSize", "engine.kvOffloadingSize needs engine groups of one rank: tensor and "
-                                             "pipeline parallelism must be 1 (the engine refuses the host tier with "
-                                             "them)"),
+    one_rank_groups_rule("kvDiskTier", "engine.kvDiskTier needs engine groups of one rank: tensor and pipeline "
+                                       "parallelism must be 1 (its files hold whole blocks, and each rank of a group "
+                                       "holds a part of one; the host tier alone works in a group)"),
     (
         "spec.engine",
         "!has(self.kvDiskTier) || has(self.kvOffloadingSize)",

@@ -15,9 +15,8 @@ CelCheck = Callable[[dict[str, Any]], bool]
 
 def one_rank_groups_rule(field: str, message: str) -> tuple[str, str, str, CelCheck]:
     """The rule (schema path, CEL rule, message, python twin) that ``spec.engine.<field>`` needs engine groups of
-    one rank, in both spellings of the layout: features that give an engine a part no other rank shares (a
-    disaggregation role, a host KV tier) are refused by the engine in a group of several ranks, so the CRD refuses
-    them before any pod starts."""
+    one rank, in both spellings of the layout: features that the engine does not serve in a group of several ranks yet
+    (a disaggregation role, a disk KV tier), so the CRD refuses them before any pod starts."""
 
     def check(spec: dict[str, Any]) -> bool:
         engine = spec.get("engine", {})

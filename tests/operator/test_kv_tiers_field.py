@@ -95,16 +95,17 @@ def test_bad_values_are_refused_naming_the_field(case):
     lambda s: s["engine"].update(parallelism={"pipeline": 2}, gpusPerPod=2),
     lambda s: s["engine"].update(parallelism={"tensor": 2, "expert": 2, "dataParallelAttention": 2}, gpusPerPod=2),
 ], ids=["tensor", "pipeline-gang", "data-parallel-attention"])
-def test_a_tier_in_a_group_of_several_ranks_is_refused(layout):
+def test_a_host_tier_serves_a_group_of_several_ranks_and_a_disk_tier_is_refused(layout):
     resource = example(kvOffloadingSize=8)
     layout(resource["spec"])
+    spec.parse(identified(resource))  # each rank keeps its part of every block in host memory (docs/kv-tiers.md)
+    assert not crd_errors(resource)
+    resource["spec"]["engine"]["kvDiskTier"] = {"size": 10}
     with pytest.raises(spec.SpecError) as info:
         spec.parse(identified(resource))
-    assert any(r.startswith("spec: engine.kvOffloadingSize needs engine groups of one rank")
+    assert any(r.startswith("spec: engine.kvDiskTier needs engine groups of one rank")
                for r in info.value.reasons), info.value.reasons
     assert crd_errors(resource)
-    del resource["spec"]["engine"]["kvOffloadingSize"]  # the control: the same layout without a tier is fine
-    spec.parse(identified(resource))
 
 
 def test_the_policies_are_the_engine_s():
