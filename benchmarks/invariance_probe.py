@@ -27,11 +27,12 @@ Exit status 1 when a relied-on probe finds a difference, or a control finds none
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from megatron_kernels.invariant import row_tile
+from megatron_kernels.invariant import ISA_VARIABLE, row_tile
 
 
 def linear_rows(dtype: torch.dtype, quick: bool) -> tuple[int, int, int, int]:
@@ -133,7 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a subset of the shapes (seconds, for the tests)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    tile = row_tile()  # settled before any GEMM here, as the mode settles it (below AMX: invariant.NO_AMX)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+          f"row tile {tile}, {ISA_VARIABLE}={os.environ.get(ISA_VARIABLE)}")
     failures = []
     for dtype in (torch.float32, torch.bfloat16):
         checked, differ, control, other = linear_rows(dtype, args.quick)

@@ -25,6 +25,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # (tests/threads.py): three workers, each with engines and ranks of their own, keep two cores busy without a second
 # OpenMP thread in each process, which only added synchronisation (docs/testing.md has the figures).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# oneDNN below AMX in every process of the suite, as the batch-invariant mode sets it for its own process
+# (megatron_kernels.invariant.NO_AMX): oneDNN reads it at its first GEMM, and a worker runs many tests' GEMMs before
+# an invariant one. A machine without AMX is unaffected.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,7 +94,8 @@ def machine_line() -> str:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     return (f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, "
             f"{build}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}")
 
 
 #: Seconds past a test's limit after which the backstop below ends its worker.

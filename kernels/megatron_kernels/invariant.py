@@ -44,6 +44,12 @@ ROW_TILE_VARIABLE = "MEGATRON_INVARIANT_ROW_TILE"
 
 _row_tile: int | None = None
 
+ISA_VARIABLE, NO_AMX = "ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16"
+"""oneDNN's cap on the instructions it uses, and the cap the mode sets: below AMX. On a CPU with AMX (Intel Sapphire
+Rapids) oneDNN's bfloat16 GEMMs rounded a row differently with the row count at every tile up to 64; capped at
+AVX-512's bfloat16 instructions they keep a row's bits from 4 rows (float32 GEMMs use no AMX either way). Only
+bfloat16 and int8 GEMMs of a process that runs the mode lose AMX's speed."""
+
 
 def row_tile() -> int:
     """The rows every invariant GEMM on the CPU pads to a multiple of (a linear's rows, an expert's rows, an
@@ -64,12 +70,18 @@ def row_tile() -> int:
 
 
 def _settle_row_tile() -> int:
+    os.environ.setdefault(ISA_VARIABLE, NO_AMX)  # read by oneDNN once, at its first GEMM in the process
     forced = os.environ.get(ROW_TILE_VARIABLE)
     if forced is not None:
         if not forced.isdigit() or int(forced) <= 0 or int(forced) % 4:
             raise ValueError(f"{ROW_TILE_VARIABLE}={forced!r}: must be a positive multiple of 4")
         return int(forced)
-    return next((tile for tile in (4, 8) if _rows_hold(tile)), SAFE_ROW_TILE)
+    tile = next((tile for tile in (4, 8, SAFE_ROW_TILE) if _rows_hold(tile)), None)
+    if tile is None:
+        raise RuntimeError(f"batch-invariant mode: this CPU's GEMMs keep no row's bits at any row tile up to "
+                           f"{SAFE_ROW_TILE} (bfloat16 on AMX tiles does not): start the process with "
+                           f"{ISA_VARIABLE}={NO_AMX}, which the mode sets itself only where no GEMM ran before it")
+    return tile
 
 
 def _rows_hold(tile: int) -> bool:
