@@ -6,7 +6,8 @@ The engine groups of a disaggregated resource are the runtime's ``run --prefill-
 --decode-engines M`` (docs/kv-tiers.md): groups ``0 .. N-1`` prefill (vLLM's ``kv_role``
 ``kv_producer``), groups ``N .. N+M-1`` decode (``kv_consumer``), each engine told its role by
 ``--kv-transfer-config``. ``spec.parallelism.data`` stays the number of groups, so it must be
-``N + M``, and a role is one engine's: the engine refuses roles on groups of more than one rank.
+``N + M``. A group of several ranks (tensor, pipeline) hands its blocks on as one engine does; with data-parallel
+attention the engine refuses a role, and so does the CRD.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .crd_fields import int_field, obj_field
-from .crd_rules import CelCheck, one_rank_groups_rule
+from .crd_rules import CelCheck
 
 MAX_REPLICAS = 256
 #: A group's role in the status -> the engine's ``kv_role`` (vLLM's names; megatron_serve.fleet.argv.KV_ROLES).
@@ -70,6 +71,11 @@ def _sum_rule(spec: dict[str, Any]) -> bool:
     return int(spec.get("parallelism", {}).get("data", 1)) == int(dis["prefillReplicas"]) + int(dis["decodeReplicas"])
 
 
+def _attention_ranks_rule(spec: dict[str, Any]) -> bool:
+    engine = spec.get("engine", {})
+    return "disaggregation" not in engine or int(engine.get("parallelism", {}).get("dataParallelAttention", 1)) == 1
+
+
 # (schema path, CEL rule, message, python twin); see crd.CEL_RULES
 CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     (
@@ -80,7 +86,12 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "(the engine groups are the prefill and the decode engines)",
         _sum_rule,
     ),
-    one_rank_groups_rule("disaggregation", "engine.disaggregation needs engine groups of one rank: tensor and "
-                                           "pipeline parallelism must be 1 (each rank would hold a part of the KV; "
-                                           "the engine refuses a role with them)"),
+    (
+        "spec",
+        "!has(self.engine.disaggregation) || !has(self.engine.parallelism) "
+        "|| !has(self.engine.parallelism.dataParallelAttention) || self.engine.parallelism.dataParallelAttention == 1",
+        "engine.disaggregation is not implemented with engine.parallelism.dataParallelAttention (the engine refuses "
+        "a role with data-parallel attention)",
+        _attention_ranks_rule,
+    ),
 ]

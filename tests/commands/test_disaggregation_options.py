@@ -18,8 +18,8 @@ from megatron_serve.fleet.local_fleet import LocalFleet
     (["--prefill-engines", "-1", "--decode-engines", "1"], "--prefill-engines must be >= 0, got -1"),
     (["--prefill-engines", "1", "--decode-engines", "-2"], "--decode-engines must be >= 0, got -2"),
     (["--engines", "3", "--prefill-engines", "1", "--decode-engines", "1"], "--engines 3 with --prefill-engines 1"),
-    (["--prefill-engines", "1", "--decode-engines", "1", "--tensor-parallel", "2"],
-     "not implemented with tensor or pipeline parallelism"),
+    (["--prefill-engines", "1", "--decode-engines", "1", "--data-parallel-size", "2", "--enable-expert-parallel"],
+     "prefill/decode disaggregation is not implemented with data-parallel attention"),
 ])
 def test_run_refuses_a_layout_that_cannot_serve_by_name(tmp_path, argv, problem):
     from megatron_serve.commands import run
@@ -55,12 +55,13 @@ def test_an_engine_reads_vllm_s_kv_transfer_config():
     assert json.loads(value)["kv_connector"] == "CoordinatorConnector"
 
 
-def test_an_engine_refuses_a_role_with_tensor_parallelism_before_loading(tmp_path):
+def test_an_engine_refuses_a_role_with_data_parallel_attention_before_loading(tmp_path):
     from megatron_serve.commands import engine
 
     args = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
-                       "--tensor-parallel", "2", "--kv-transfer-config", '{"kv_role": "kv_producer"}'])
-    with pytest.raises(ValueError, match="kv_role kv_producer is not implemented with tensor, pipeline or data"):
+                       "--data-parallel-size", "2", "--enable-expert-parallel",
+                       "--kv-transfer-config", '{"kv_role": "kv_producer"}'])
+    with pytest.raises(ValueError, match="kv_role kv_producer is not implemented with data-parallel attention"):
         engine.run(args)
     bad = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
                       "--kv-transfer-config", '{"kv_role": "both"}'])

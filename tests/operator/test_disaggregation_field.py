@@ -15,7 +15,7 @@ from megatron_operator.render import render
 from megatron_serve.fleet.argv import kv_transfer_config
 
 from .helpers import ROOT, fake_coordinator_for, load_yaml, wait_for
-from .test_operator_crd import assert_refused
+from .test_operator_crd import assert_refused, crd_errors
 from .test_operator_render import CONFIG, _containers, _parser_for, by_key, identified
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,12 +68,9 @@ BAD = {
         lambda s: s["parallelism"].update(data=4),
         "spec: parallelism.data must equal engine.disaggregation.prefillReplicas + "
         "engine.disaggregation.decodeReplicas"),
-    "tensor parallel groups": (
-        lambda s: s["parallelism"].update(tensor=2) or s["engine"].update(gpusPerPod=2),
-        "spec: engine.disaggregation needs engine groups of one rank"),
-    "a gang of two stages": (
-        lambda s: s["engine"].update(parallelism={"pipeline": 2}, gpusPerPod=2),
-        "spec: engine.disaggregation needs engine groups of one rank"),
+    "data-parallel attention": (
+        lambda s: s["engine"].update(parallelism={"tensor": 2, "expert": 2, "dataParallelAttention": 2}, gpusPerPod=2),
+        "spec: engine.disaggregation is not implemented with engine.parallelism.dataParallelAttention"),
     "no decode engine": (
         lambda s: s["engine"]["disaggregation"].update(decodeReplicas=0) or s["parallelism"].update(data=1),
         "spec.engine.disaggregation.decodeReplicas: must be at least 1, got 0"),
@@ -94,6 +91,27 @@ def test_bad_disaggregation_is_refused_naming_the_field(case):
     assert_refused(resource, reason, case)
 
 
+@pytest.mark.parametrize("layout", [
+    lambda s: s["parallelism"].update(tensor=2) or s["engine"].update(gpusPerPod=2),
+    lambda s: s["engine"].update(parallelism={"pipeline": 2}, gpusPerPod=1),
+], ids=["tensor", "pipeline-gang"])
+def test_groups_of_several_ranks_take_roles(layout):
+    """Each rank hands its part of a prefilled request's blocks on (docs/kv-tiers.md): every pod of a group gets its
+    group's role."""
+    resource = example()
+    layout(resource["spec"])
+    assert not crd_errors(resource)
+    rendered = render(identified(resource), CONFIG)
+    roles = {}
+    for (kind, name), manifest in by_key(rendered).items():
+        if name.startswith("llama-8b-pd-engine-") and kind in ("StatefulSet", "LeaderWorkerSet"):
+            for container in _containers(manifest):
+                args = container["args"]
+                roles.setdefault(name, set()).add(json.loads(args[args.index("--kv-transfer-config") + 1])["kv_role"])
+    assert roles == {"llama-8b-pd-engine-0": {"kv_producer"}, "llama-8b-pd-engine-1": {"kv_consumer"},
+                     "llama-8b-pd-engine-2": {"kv_consumer"}}, roles
+
+
 def test_the_cel_rules_agree_with_their_python_twins():
     import celpy
 
@@ -101,10 +119,12 @@ def test_the_cel_rules_agree_with_their_python_twins():
 
     env = celpy.Environment()
     samples = [{"parallelism": {"tensor": t, "pipeline": 1, "data": data},
-                "engine": {"gpusPerPod": 8, **({} if gang is None else {"parallelism": {"tensor": 1, "pipeline": gang}}),
+                "engine": {"gpusPerPod": 8, **({} if gang is None else {"parallelism": {"tensor": 1, "pipeline": gang,
+                                                                                          **attention}}),
                            **({} if pd is None else {"disaggregation": {"prefillReplicas": pd[0],
                                                                         "decodeReplicas": pd[1]}})}}
-               for t in (1, 2) for data in (1, 2, 3) for gang in (None, 1, 2) for pd in (None, (1, 1), (1, 2))]
+               for t in (1, 2) for data in (1, 2, 3) for gang in (None, 1, 2) for pd in (None, (1, 1), (1, 2))
+               for attention in ({}, {"dataParallelAttention": 1}, {"dataParallelAttention": 2})]
     for _, rule, _, check in crd_disaggregation.CEL_RULES:
         program = env.program(env.compile(rule))
         verdicts = {bool(program.evaluate({"self": celpy.json_to_cel(s)})) == check(s) for s in samples}

@@ -3,7 +3,9 @@
 blocks go through the coordinator to the decode engine, which continues from them.
 
 Under ``--batch-invariant`` the tokens and log probs are ``==`` a colocated engine's (the same engine and settings,
-served in this process in direct mode: a fleet of its own would check nothing more). That the prompt was
+served in this process in direct mode: a fleet of its own would check nothing more), with engines of one rank, of two
+tensor-parallel ranks and of two pipeline stages (each rank hands its part of the blocks on; the colocated engine has
+the same layout). That the prompt was
 not computed again: the two engines together ran exactly the tokens the colocated engine ran
 (``megatron_serve_engine_computed_tokens``), each prompt token once and each generated token but the last once,
 where a decode engine that computed the context itself would have run every prompt again.
@@ -78,10 +80,11 @@ def complete(served: SimpleNamespace, prompt: list[int]) -> dict:
     return answer.json()
 
 
-async def colocated(model: str, sent: list[list[int]], once: int) -> tuple[list[tuple[list[str], list[float]]], float]:
-    """The tokens and log probs of ``sent`` on one colocated engine (direct mode, the fleets' settings), and the
-    tokens it computed (``/metrics`` once its counter reached ``once``)."""
-    async with surface(model, Tokenizer.from_pretrained(model), **COLOCATED) as (_, http):
+async def colocated(model: str, sent: list[list[int]], once: int, **layout: int
+                    ) -> tuple[list[tuple[list[str], list[float]]], float]:
+    """The tokens and log probs of ``sent`` on one colocated engine (direct mode, the fleets' settings and
+    ``layout``), and the tokens it computed (``/metrics`` once its counter reached ``once``)."""
+    async with surface(model, Tokenizer.from_pretrained(model), **COLOCATED, **layout) as (_, http):
         expected = []
         for prompt in sent:
             answer = await http.post("/v1/completions", json=body("tiny-llama", prompt))
@@ -119,11 +122,21 @@ def computed(text: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-async def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_once(tiny_llama, tmp_path):
+#: Engine groups the prefill and decode engines are (their flags, and the colocated engine's layout): one rank
+#: each, or groups whose every rank holds a part of each block (its heads, its stage's layers) and hands it on
+#: with rank 0's
+LAYOUTS = {"one rank": ((), {}), "tensor parallel": (("--tensor-parallel", "2"), {"tensor_parallel_size": 2}),
+           "pipeline": (("--pipeline-parallel-size", "2"), {"pipeline_parallel_size": 2})}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+async def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_once(tiny_llama, tmp_path,
+                                                                                          layout):
+    flags, config = LAYOUTS[layout]
     sent = prompts()
     once = sum(map(len, sent)) + len(sent) * (MAX_TOKENS - 1)  # each prompt token, each generated one but the last
-    expected, control = await colocated(tiny_llama, sent, once)
-    with fleet(tiny_llama, tmp_path / "pd", "--prefill-engines", "1", "--decode-engines", "1") as pd:
+    expected, control = await colocated(tiny_llama, sent, once, **config)
+    with fleet(tiny_llama, tmp_path / "pd", "--prefill-engines", "1", "--decode-engines", "1", *flags) as pd:
         answers = [complete(pd, prompt) for prompt in sent]
         # Both ends' counters: each engine's heartbeat carries its own, the sender's a moment apart from the receiver's.
         text = metrics_when(pd, lambda t: (computed(t) or 0) >= once and all(

@@ -131,9 +131,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--group must be >= 0, got {args.group}")
     config = layout_config(args)
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
-    if kv_role != "kv_both" and config.world_size > 1:
-        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor, pipeline or data "
-                         "parallelism yet (each rank holds a part of the KV)")
+    if kv_role != "kv_both" and config.data_parallel_size > 1:
+        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with data-parallel attention yet")
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)

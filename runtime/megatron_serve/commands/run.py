@@ -147,9 +147,6 @@ def run(args: argparse.Namespace) -> int:
     from ..fleet.local_fleet import check_data_parallel  # noqa: PLC0415
 
     check_data_parallel(args.data_parallel_size, config, args.prefill_engines or args.decode_engines)
-    if args.prefill_engines and config.world_size > 1:
-        raise ValueError("--prefill-engines/--decode-engines are not implemented with tensor or pipeline parallelism "
-                         "yet (each rank holds a part of the KV)")
     from ..server.modelinfo import default_model_name  # noqa: PLC0415
 
     served = args.served_model_name or default_model_name(args.model)

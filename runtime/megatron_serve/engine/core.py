@@ -108,7 +108,7 @@ class DynamicInferenceEngine:
         self.host_tier = HostKVTier.sized(self.kv_cache, config, self.kv_events, runner.kv_copier())
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier,
                                         self.kv_events)
-        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
+        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size, runner.kv_others())  # P/D
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,

@@ -24,6 +24,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.experts.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .kv.copier import Copier, copier_for
+from .kv.transfer import NoOtherRanks, OtherRanks
 from .group.data_parallel import empty_moe_pass
 from .group.turns import Turn
 from .micro_batches import micro_batches
@@ -95,6 +96,10 @@ class ModelRunner:
         """How the host KV tier copies blocks between this runner's pool and host memory (a group's rank 0 tells
         its other ranks too)."""
         return copier_for(self.device)
+
+    def kv_others(self) -> OtherRanks:
+        """A group's other ranks, which hold parts of every block (a prefilled request's go on with rank 0's)."""
+        return NoOtherRanks()
 
     def padded_size(self, group_tokens: int | None) -> int | None:
         """The graph size a data-parallel group's step pads to on every rank (None: no agreed step, or larger than

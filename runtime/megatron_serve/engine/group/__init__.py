@@ -24,6 +24,8 @@ process loop:
 * :mod:`.follower`: every other rank's loop (load its slice, mirror rank 0's KV pool, follow the broadcasts, and
   its own part of suspend, resume and refit);
 * :mod:`.spawn`: starting this machine's other ranks from rank 0's process, and leaving the group on a failed start;
+* :mod:`.kv_tier` and :mod:`.kv_handoff`: every rank's part of the host KV tier's copies and of a prefilled
+  request's blocks on their way to a decode engine, as rank 0 decides them;
 * :mod:`.data_parallel` and :mod:`.turns`: what data-parallel attention ranks agree on at each turn.
 
 If any rank dies, the next collective fails on the others, and they exit: the coordinator then sees the group gone

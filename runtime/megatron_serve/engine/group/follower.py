@@ -25,6 +25,7 @@ from ..kv.park import ParkedKV, ParkOrder
 from ..runner import ModelRunner
 from ..sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .channel import broadcast_previous_tokens
+from .kv_handoff import follow as follow_handoff
 from .kv_tier import FollowerTier
 from .placement import Placement, join_group, rank_device, release_groups
 
@@ -88,6 +89,8 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             dist.gather_object(follow_share(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "kv_copy":
             tier.apply(payload)
+        elif kind in ("kv_layout", "kv_park", "kv_restore"):  # a prefilled request's blocks (prefill/decode)
+            follow_handoff(kind, payload, pool, channel)
         elif kind == "stop":
             break
     dist.destroy_process_group()

@@ -17,10 +17,12 @@ from ...weights.sources import WeightSource
 from ..graphs import StepGraphs
 from ..kv.copier import Copier
 from ..kv.park import ParkOrder
+from ..kv.transfer import OtherRanks
 from ..runner import ModelRunner, StepResult
 from ..step_plan import StepBuffers, StepPlan
 from .channel import PlanChannel, broadcast_previous_tokens
 from .data_parallel import agree_tokens, agree_turn
+from .kv_handoff import GroupHandoff
 from .kv_tier import GroupCopier
 from .placement import release_groups
 from .turns import Turn
@@ -108,6 +110,10 @@ class TensorParallelRunner(ModelRunner):
         """The host tier's copies on every rank (:mod:`.kv_tier`): each told to the group before the step that
         depends on it."""
         return GroupCopier(super().kv_copier(), lambda copy: self._broadcast("kv_copy", copy))
+
+    def kv_others(self) -> OtherRanks:
+        """The other ranks' parts of a prefilled request's blocks (:mod:`.kv_handoff`)."""
+        return GroupHandoff(self.channel, self._broadcast)
 
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)

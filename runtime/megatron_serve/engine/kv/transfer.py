@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import torch
@@ -53,6 +54,43 @@ class TransferCounts:
                                  for direction in KV_TRANSFER_DIRECTIONS}
 
 
+#: A rank's block tensors as ``KV_BLOCKS`` describes them: (dtype, block shape), in the pool's order.
+Layout = list[tuple[torch.dtype, tuple[int, ...]]]
+
+
+class OtherRanks(Protocol):
+    """A group's other ranks, each holding its part of every block (engine/group/kv_handoff.py)."""
+
+    def layouts(self) -> list[Layout]:
+        """Each other rank's block tensors, in rank order."""
+        ...
+
+    def park(self, blocks: list[int]) -> list[list[torch.Tensor]]:
+        """Each other rank's part of ``blocks``, copied to host memory, in rank order."""
+        ...
+
+    def restore(self, blocks: list[int], parts: list[list[torch.Tensor]]) -> None:
+        """Each other rank copies its part (``parts``, in rank order) into ``blocks`` of its pool."""
+        ...
+
+
+class NoOtherRanks:
+    """A group of one rank."""
+
+    def layouts(self) -> list[Layout]:
+        return []
+
+    def park(self, blocks: list[int]) -> list[list[torch.Tensor]]:
+        return []
+
+    def restore(self, blocks: list[int], parts: list[list[torch.Tensor]]) -> None:
+        pass
+
+
+def pool_layout(pool: KVCachePool) -> Layout:
+    return [(t.dtype, (*t.shape[:2], *t.shape[3:])) for t in pool.block_tensors()]
+
+
 def _as_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -60,10 +98,12 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
 class KVTransfer:
     """One engine's blocks sent after prefill and received for decode (see the module docstring)."""
 
-    def __init__(self, pool: KVCachePool, allocator: BlockAllocator, block_size: int):
+    def __init__(self, pool: KVCachePool, allocator: BlockAllocator, block_size: int,
+                 others: OtherRanks | None = None):
         self.pool = pool
         self.allocator = allocator
         self.block_size = block_size
+        self.others = others if others is not None else NoOtherRanks()  # a group's other ranks hold parts too
         self.counts = TransferCounts()
         self._to_send: set[str] = set()  # requests whose blocks go on once they leave after their first token
         self._ready: list[tuple[str, int, int, list[torch.Tensor]]] = []  # (request id, epoch, tokens, host copies)
@@ -85,15 +125,16 @@ class KVTransfer:
                 or not sequence.num_computed or kv_epoch < 0):
             return
         blocks = sequence.block_table[:blocks_for_tokens(sequence.num_computed, self.block_size)]
-        parked = ParkedKV.park(self.pool, blocks, kv_epoch)
-        self._ready.append((sequence.request_id, kv_epoch, sequence.num_computed, parked.host))
+        host = ParkedKV.park(self.pool, blocks, kv_epoch).host
+        host += [tensor for part in self.others.park(blocks) for tensor in part]  # rank 0's, then each other rank's
+        self._ready.append((sequence.request_id, kv_epoch, sequence.num_computed, host))
 
     def take(self, engine_id: str) -> list[KVBlocks]:
         """The blocks copied out since the last call, as the ``KV_BLOCKS`` parts of registration ``engine_id``."""
         ready, self._ready = self._ready, []
         out = []
         for rid, epoch, tokens, host in ready:
-            per_part = max(MAX_PART_BYTES // self.pool.bytes_per_pool_block, 1)
+            per_part = max(MAX_PART_BYTES // sum(t[0].numel() * t.element_size() for t in host), 1)
             for first in range(0, host[0].shape[0], per_part):
                 pieces = [t[first:first + per_part] for t in host]
                 tensors = [KVTensor(_DTYPES[p.dtype], tuple(p.shape), _as_bytes(p)) for p in pieces]
@@ -130,9 +171,15 @@ class KVTransfer:
                            sequence.request_id, why)
             return False
         blocks = self.allocator.allocate(kv.num_blocks, base_band(sequence))
-        host = [torch.frombuffer(bytearray(t.data), dtype=torch.uint8).view(target.dtype).view(t.shape)
-                for t, target in zip(kv.tensors, self.pool.block_tensors())]
-        ParkedKV(blocks, host, kv.epoch, kv.num_bytes, 0.0).restore(self.pool)
+        host = [torch.frombuffer(bytearray(t.data), dtype=torch.uint8).view(dtype).view(t.shape)
+                for t, (dtype, _) in zip(kv.tensors, self._layout())]
+        mine = len(self.pool.block_tensors())
+        ParkedKV(blocks, host[:mine], kv.epoch, kv.num_bytes, 0.0).restore(self.pool)
+        parts, first = [], mine
+        for layout in self.others.layouts():
+            parts.append(host[first:first + len(layout)])
+            first += len(layout)
+        self.others.restore(blocks, parts)
         sequence.block_table = blocks
         sequence.num_computed = kv.num_tokens
         sequence.kv_epoch = kv.epoch
@@ -152,13 +199,17 @@ class KVTransfer:
         if sequence.num_computed or sequence.block_table or kv.num_tokens >= len(sequence.token_ids):
             return (f"{kv.num_tokens} tokens of KV for a request of {len(sequence.token_ids)} tokens "
                     f"({sequence.num_computed} computed here)")
-        targets = self.pool.block_tensors()
-        shapes = [(_DTYPES.get(t.dtype), (kv.num_blocks, *t.shape[:2], *t.shape[3:])) for t in targets]
+        shapes = [(_DTYPES.get(dtype), (kv.num_blocks, *shape)) for dtype, shape in self._layout()]
         if [(t.dtype, tuple(t.shape)) for t in kv.tensors] != shapes:
             return "the blocks' layout differs from this engine's KV pool (another model, dtype or parallelism)"
         if kv.num_blocks > self.allocator.num_free:
             return f"{kv.num_blocks} blocks needed, {self.allocator.num_free} free"
         return None
+
+
+    def _layout(self) -> Layout:
+        """Every rank's block tensors, rank 0's first: what ``KV_BLOCKS`` carries for this engine."""
+        return [*pool_layout(self.pool), *(entry for layout in self.others.layouts() for entry in layout)]
 
 
 def _whole(parts: list[KVBlocks]) -> tuple[KVBlocks | None, str | None]:
