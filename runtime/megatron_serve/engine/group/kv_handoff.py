@@ -10,16 +10,18 @@ step that reads them (:class:`~..kv.transfer.OtherRanks`, which a group of one r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ...errors import EngineGroupLost
 from ..kv.cache import KVCachePool
 from ..kv.park import ParkedKV
 from ..kv.transfer import Layout, pool_layout
 from .channel import PlanChannel
+
 
 @dataclass
 class GroupHandoff:
@@ -28,25 +30,32 @@ class GroupHandoff:
 
     channel: PlanChannel
     tell: Callable[[str, object], None]
-    _layouts: list[Layout] | None = None
+    _layouts: list[Layout] | None = field(default=None, init=False)
 
     def layouts(self) -> list[Layout]:
         if self._layouts is None:  # asked once: a pool's layout is fixed for its life
             self.tell("kv_layout", None)
-            self._layouts = self._gathered(None)
+            self._layouts = self._gathered()
         return self._layouts
 
     def park(self, blocks: list[int]) -> list[list[torch.Tensor]]:
         self.tell("kv_park", blocks)
-        return self._gathered(None)
+        return self._gathered()
 
     def restore(self, blocks: list[int], parts: list[list[torch.Tensor]]) -> None:
         self.tell("kv_restore", blocks)
-        dist.scatter_object_list([None], [None, *parts], src=self.channel.leader, group=self.channel.group)
+        try:
+            dist.scatter_object_list([None], [None, *parts], src=self.channel.leader, group=self.channel.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke handing its ranks their KV parts: {exc}") from exc
 
-    def _gathered(self, mine: object) -> list:
+    def _gathered(self) -> list:
+        """What each other rank sends back, in rank order (rank 0 sends nothing)."""
         everyone: list = [None] * dist.get_world_size(self.channel.group)
-        dist.gather_object(mine, everyone, dst=self.channel.leader, group=self.channel.group)
+        try:
+            dist.gather_object(None, everyone, dst=self.channel.leader, group=self.channel.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke gathering its ranks' KV parts: {exc}") from exc
         return everyone[1:]
 
 
