@@ -45,6 +45,13 @@ def choice_item(rng: random.Random, question: str, answer: str, pool: list[str])
     return {"question": question, "choices": choices, "answer": choices.index(answer)}
 
 
+def distinct_pairs(rng: random.Random, low: int, high: int, count: int) -> list[tuple[int, int]]:
+    """``count`` ordered pairs of numbers from ``low`` to ``high``, drawn without replacement: a pair drawn twice
+    would ask one question twice and count it twice in the score."""
+    numbers = range(low, high + 1)
+    return rng.sample([(a, b) for a in numbers for b in numbers], count)
+
+
 def multiple_choice(rng: random.Random) -> list[dict]:
     items = []
     for country, city in CAPITALS.items():
@@ -62,8 +69,7 @@ def multiple_choice(rng: random.Random) -> list[dict]:
     for i, day in enumerate(DAYS):
         items.append(choice_item(rng, f"Which day comes after {day}?", DAYS[(i + 1) % 7], DAYS))
         items.append(choice_item(rng, f"Which day comes before {day}?", DAYS[i - 1], DAYS))
-    for _ in range(60):
-        a, b = rng.randint(0, 10), rng.randint(0, 10)
+    for a, b in distinct_pairs(rng, 0, 10, 60):
         items.append(choice_item(rng, f"What is {a} plus {b}?", NUMBER_WORDS[a + b], NUMBER_WORDS))
     for n in range(1, 20):
         items.append(choice_item(rng, f"Which number comes after {NUMBER_WORDS[n]}?", NUMBER_WORDS[n + 1],
@@ -79,8 +85,7 @@ def generation(rng: random.Random) -> list[dict]:
               for word, opposite in OPPOSITES.items()]
     items += [{"question": f"Which day comes after {day}? Answer with one word.", "answer": DAYS[(i + 1) % 7]}
               for i, day in enumerate(DAYS)]
-    for _ in range(40):
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
+    for a, b in distinct_pairs(rng, 1, 20, 40):
         items.append({"question": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)})
     return items
 
