@@ -170,7 +170,7 @@ case ${1:-tests} in
   kvtiers)
     step pytest_kv_tiers 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 \
       tests/engine/test_kv_offload_cuda.py tests/engine/test_kv_offload.py tests/engine/test_keep_kv.py \
-      tests/server/test_kv_tiers_http.py
+      tests/server/test_kv_tiers_http.py tests/parallel/test_kv_tier_groups.py
     step kv_tiers 540 python3 benchmarks/kv_tiers.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 \
       --prefix-len 2048 --pool-blocks 512 --tier-gib 4
     ;;

@@ -3,7 +3,8 @@ rank holds its heads of a block, under pipeline parallelism each stage its layer
 device pool or comes back moves on every rank (engine/group/kv_tier.py). A working set larger than the pool comes
 back from the host tier with the tokens and log probs of its first computation (``==``). The control: rank 0 copying
 alone (its other ranks never told), the blocks that come back hold stale parts on the other ranks, and the log probs
-differ. A disk tier behind a group is refused, naming it."""
+differ. A disk tier behind a group is refused, naming it. On a machine with a GPU a rank the groups run there (NCCL,
+the copies on a side stream: ``benchmarks/gpu_session.sh kvtiers``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.group.leader import TensorParallelRunner
 from megatron_serve.engine.runner import ModelRunner
 from megatron_serve.model.tiny import make_tiny_model
+
+from ..devices import tensor_parallel_device
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,8 +40,9 @@ def prompts(count: int = 6, length: int = 5 * BLOCK + 3) -> list[list[int]]:
 
 def two_passes(model_dir: str, layout: dict) -> tuple[list, list, int]:
     """Each prompt alone, twice: the second pass finds most prefixes in the host tier only (the pool holds two)."""
+    device = tensor_parallel_device(layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
     config = InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=POOL, max_requests=2, max_batch_tokens=256,
-                             kv_offloading_size=0.01, batch_invariant=True, device="cpu", **layout)
+                             kv_offloading_size=0.01, batch_invariant=True, device=device, **layout)
     with MegatronLLM(model_dir, config) as llm:
         passes = [[llm.generate([p], PARAMS)[0] for p in prompts()] for _ in range(2)]
         host_tokens = llm.engine.scheduler.host_cached_tokens
