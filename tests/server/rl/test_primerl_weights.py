@@ -1,8 +1,8 @@
 """prime-rl's weight routes over a real fleet: ``/update_weights {weight_dir}`` is the REFIT of the directory.
 
 The fleet (``megatron-serve run`` of A, see :mod:`.weight_fleet`) runs; the orchestrator's call is replayed from
-``prime_rl/orchestrator/client.py`` (``update_weights``). ``/update_weights`` is also vLLM's path: the body's keys
-say which.
+``prime_rl/orchestrator/client.py`` (``update_weights``), with no broadcaster joined (its NCCL broadcast:
+``test_primerl_broadcast.py``). ``/update_weights`` is also vLLM's path: the body's keys say which.
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ def test_a_directory_the_engines_refuse_leaves_the_fleet_on_its_epoch_still_serv
     assert completions(fleet) == (checkpoints.texts.b, {1})
 
 
-def test_a_body_of_neither_form_is_refused_naming_both_and_init_broadcaster_by_name(fleet):
+def test_a_body_of_neither_form_is_refused_naming_both(fleet):
     for body in ({"weight_dir": "/x", "update_info": {}}, {"weights": "/x"}, {"weight_dir": None}):
         refused = fleet.http.post("/update_weights", json=body, headers=ADMIN)
         assert refused.status_code == 400, (body, refused.text)
     both = fleet.http.post("/update_weights", json={"weights": "/x"}, headers=ADMIN).text
     assert "update_info" in both and "weight_dir" in both
-    broadcaster = fleet.http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": 1}, headers=ADMIN)
-    assert broadcaster.status_code == 501 and "weight_dir" in broadcaster.text

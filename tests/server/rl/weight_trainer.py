@@ -9,7 +9,8 @@ Options: ``--version N`` (the weight version to name), ``--corrupt name|shape|dt
 under a name the model lacks, with a wrong shape, or with a dtype that cannot travel), ``--unpacked`` (vLLM: one
 broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL's bracket:
 its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes), ``--backend nccl`` (vLLM:
-the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg).
+the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg), ``--legacy``
+(primerl-nccl: the body of prime-rl's earlier orchestrators, ``server_rank`` and ``num_inference_server``).
 
 ``python weight_trainer.py --serve``: the same runs, one per line of stdin, in one process (see :func:`serve`).
 """
@@ -20,8 +21,13 @@ import argparse
 import concurrent.futures
 import json
 import os
+import pickle
+import re
 import sys
+import tempfile
+import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -199,9 +205,57 @@ def primerl(calls: Calls, args: argparse.Namespace) -> None:
     calls.post("/update_weights", {"weight_dir": args.model})
 
 
+def primerl_nccl(calls: Calls, args: argparse.Namespace) -> None:
+    """prime-rl's NCCL broadcast: its orchestrator's ``init_nccl_broadcast`` and ``update_weights``
+    (``src/prime_rl/orchestrator/client.py``: ``/init_broadcaster``, then ``NCCL_READY`` touched in the step's
+    directory and ``/update_weights {weight_dir}``) and its trainer's ``NCCLWeightBroadcast``
+    (``src/prime_rl/trainer/rl/broadcast/nccl.py``: rank 0 of inference world + 1, waits for ``NCCL_READY``, then
+    ``broadcast_integer`` and ``broadcast_state_dict`` per layer, then removes the marker); gloo where prime-rl's
+    ``PyNcclCommunicator`` is NCCL. ``--corrupt dtype`` sends the last tensor as int8."""
+    named, _ = tensors_of(args.model, args.corrupt)
+    if args.corrupt == "dtype":
+        named[-1] = (named[-1][0], named[-1][1].to(torch.int8))
+    ranks = ({"server_rank": 0, "num_inference_server": 1} if args.legacy else
+             {"rank_offset": 0, "inference_world_size": 1, "quantize_in_weight_transfer": False})
+    _, group = calls.alongside("/init_broadcaster", {"host": "127.0.0.1", "port": args.port, "timeout": 120, **ranks},
+                               lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120))
+    with tempfile.TemporaryDirectory() as step_dir:
+        ready = Path(step_dir, "NCCL_READY")
+        ready.touch()
+        calls.alongside("/update_weights", {"weight_dir": step_dir}, lambda: _primerl_broadcast(named, group, ready))
+
+
+def _primerl_broadcast(named: list[tuple[str, torch.Tensor]], group: Any, ready: Path) -> None:
+    """``NCCLWeightBroadcast.broadcast_weights``: the weights outside the layers, then each layer's."""
+    while not ready.exists():  # _wait_for_nccl_ready
+        time.sleep(0.1)
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        layers.setdefault(int(layer.group(1)) + 1 if layer else 0, {})[name] = tensor
+    _primerl_send(torch.tensor([len(layers)], dtype=torch.long), group)  # broadcast_integer
+    for index in sorted(layers):
+        state_dict = layers[index]  # broadcast_state_dict: its tensors grouped by dtype, their metadata pickled
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in state_dict.items():
+            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+        metadata = pickle.dumps({dtype: [(name, t.shape, t.numel()) for name, t in items]
+                                 for dtype, items in by_dtype.items()})
+        _primerl_send(torch.tensor([len(metadata)], dtype=torch.long), group)
+        _primerl_send(torch.ByteTensor(list(metadata)), group)
+        for items in by_dtype.values():
+            _primerl_send(torch.cat([t.flatten() for _, t in items]), group)
+    ready.unlink()  # _cleanup_nccl_ready
+
+
+def _primerl_send(tensor: torch.Tensor, group: Any) -> None:
+    trainer_send_weights([("", tensor)], group)
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl", "trl-client"])
+    parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl", "primerl-nccl",
+                                                 "trl-client"])
     parser.add_argument("url")
     parser.add_argument("model")
     parser.add_argument("port", type=int)
@@ -210,6 +264,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--unpacked", action="store_true")
     parser.add_argument("--no-start", action="store_true")
     parser.add_argument("--skyrl", action="store_true")
+    parser.add_argument("--legacy", action="store_true")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")  # vllm: the server's backend
     return parser
 
@@ -219,7 +274,7 @@ def run(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     calls = Calls(args.url)
     try:
-        {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl,
+        {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl, "primerl-nccl": primerl_nccl,
          "trl-client": trl_client}[args.protocol](calls, args)
     finally:
         calls.pool.shutdown()

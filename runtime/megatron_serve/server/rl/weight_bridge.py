@@ -58,6 +58,10 @@ class TrainerGroup:
         return _each([lambda group=group: _receive(group, self.layout, metas, packed, buffer_bytes)
                       for group in self._groups])[0]
 
+    def receive_bytes(self, nbytes: int) -> torch.Tensor:
+        """One broadcast of ``nbytes`` bytes, in host memory (a protocol that frames its own stream, prime-rl's)."""
+        return _each([lambda group=group: _broadcast_bytes(group, self.layout, nbytes) for group in self._groups])[0]
+
     def barrier(self) -> None:
         """Every rank of the group (TRL's client waits on one after each tensor)."""
         _each([lambda group=group: group.barrier().wait() for group in self._groups])
@@ -96,20 +100,25 @@ def _towards(host: str) -> str:
 
 def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], packed: bool,
              buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
-    device = torch.device("cuda", torch.cuda.current_device()) if layout.backend == "nccl" else torch.device("cpu")
     received: list[tuple[str, torch.Tensor]] = []
     for chunk in (packed_chunks(metas, buffer_bytes) if packed else [[meta] for meta in metas]):
-        buffer = torch.empty(sum(meta.nbytes for meta in chunk), dtype=torch.uint8, device=device)
-        options = dist.BroadcastOptions()
-        options.rootRank = layout.src
-        group.broadcast([buffer], options).wait()
-        host = buffer.cpu()
+        host = _broadcast_bytes(group, layout, sum(meta.nbytes for meta in chunk))
         offset = 0
         for meta in chunk:  # a copy each: packed bytes start anywhere, and a view needs its dtype's alignment
             piece = host[offset:offset + meta.nbytes].clone()
             received.append((meta.name, piece.view(torch_dtype(meta.dtype)).view(meta.shape)))
             offset += meta.nbytes
     return received
+
+
+def _broadcast_bytes(group: dist.ProcessGroup, layout: Layout, nbytes: int) -> torch.Tensor:
+    """The sender's next broadcast of ``nbytes`` bytes, whatever dtype it sent them as (a broadcast moves bytes)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if layout.backend == "nccl" else torch.device("cpu")
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    options = dist.BroadcastOptions()
+    options.rootRank = layout.src
+    group.broadcast([buffer], options).wait()
+    return buffer.cpu()
 
 
 def _each(calls: list[Callable[[], Any]]) -> list[Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from ..context import ServerContext
-from .weight_primerl import PRIMERL_WEIGHT_PATHS, add_primerl_weight_routes
+from .weight_primerl import PRIMERL_WEIGHT_PATHS, PrimeRL, add_primerl_weight_routes
 from .weight_skyrl import SKYRL_WEIGHT_PATHS, add_skyrl_weight_routes
 from .weight_sglang import SGLANG_WEIGHT_PATHS, add_sglang_weight_routes
 from .weight_trl import TRL_WEIGHT_PATHS, add_trl_weight_routes
@@ -28,8 +28,9 @@ def add_weight_routes(app: FastAPI, ctx: ServerContext, admin_key: str | None) -
     updates = WeightUpdates(ctx.backend, ctx.options.weight_transfer_backend,
                             lambda verb, call: run_verb(ctx.monitor, verb, call))
     guard = admin_guard(admin_key)
-    add_vllm_weight_routes(app, updates, guard)
-    add_primerl_weight_routes(app, guard)
+    primerl = PrimeRL(updates)
+    add_vllm_weight_routes(app, updates, primerl, guard)
+    add_primerl_weight_routes(app, primerl, guard)
     add_sglang_weight_routes(app, updates, guard)
     add_trl_weight_routes(app, updates, guard)
     add_skyrl_weight_routes(app, updates, guard)

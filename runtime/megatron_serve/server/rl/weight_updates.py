@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+import json
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, TensorMeta
 from ...wire.lifecycle import FleetState, PauseMode
-from ..errors import APIError
+from ..errors import APIError, bad_request
 from ..fleet import InferenceBackend
 from ..intake import parse_body
 
@@ -45,6 +46,8 @@ VerbRunner = Callable[[str, Callable[[], Awaitable[dict[str, Any]]]], Awaitable[
 #: Seconds for a trainer to join, and for each transfer (a trainer's and the one into the fleet).
 TRANSFER_TIMEOUT_S = 300.0
 
+Received = TypeVar("Received")
+
 
 class Body(BaseModel):
     """A framework's request body: its own field names; one it does not send is a 400 naming it."""
@@ -56,6 +59,16 @@ async def read(request: Request, model: type[Body]) -> Any:
     """The body as ``model``; an empty one takes its defaults (frameworks post ``{}`` or nothing)."""
     raw = await request.body()
     return model() if not raw.strip() else parse_body(model, raw)
+
+
+def body_keys(raw: bytes) -> set[str]:
+    """The top-level keys of a JSON object body (an empty set for anything else, which the parsers then refuse): how
+    a path two frameworks share tells their bodies apart."""
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        raise bad_request("the request body is not JSON", code="invalid_json") from None
+    return set(value) if isinstance(value, dict) else set()
 
 
 def epoch_of(version: Any) -> int | None:
@@ -107,17 +120,19 @@ class WeightUpdates:
                            param="backend")
         return self.transfer_backend
 
-    async def open(self, layout: Layout) -> None:
-        """Join a trainer's group (any group joined before is left first); returns once the trainer joined."""
+    async def open(self, layout: Layout, timeout: float | None = None) -> TrainerGroup:
+        """Join a trainer's group (any group joined before is left first); returns it once the trainer joined.
+        ``timeout``: the group's, where the framework names one (this server's otherwise)."""
         from .weight_bridge import TrainerGroup  # noqa: PLC0415 - torch, once a trainer's group is joined
 
         self.client()
         await self.close()
         try:
-            self.group = await asyncio.to_thread(TrainerGroup.join, layout, self.timeout)
+            self.group = await asyncio.to_thread(TrainerGroup.join, layout, timeout or self.timeout)
         except (RuntimeError, OSError, ValueError) as exc:
             raise APIError(503, f"the trainer's group at {layout.host}:{layout.port} was not joined: {exc}",
                            code="weight_transfer_failed") from None
+        return self.group
 
     async def close(self) -> None:
         group, self.group = self.group, None
@@ -134,16 +149,20 @@ class WeightUpdates:
     async def receive(self, metas: list[TensorMeta], packed: bool, buffer_bytes: int = PACKED_BUFFER_BYTES,
                       barrier: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The tensors the trainer broadcasts now (``barrier``: then a barrier of the whole group, TRL's)."""
-        group = self.joined()
 
-        def run() -> list[tuple[str, torch.Tensor]]:
+        def run(group: TrainerGroup) -> list[tuple[str, torch.Tensor]]:
             tensors = group.receive(metas, packed, buffer_bytes)
             if barrier:
                 group.barrier()
             return tensors
 
+        return await self.read_group(run)
+
+    async def read_group(self, read: Callable[[TrainerGroup], Received]) -> Received:
+        """``read(group)`` on a thread of its own: what the trainer broadcasts now, as the protocol frames it."""
+        group = self.joined()
         try:
-            return await asyncio.to_thread(run)
+            return await asyncio.to_thread(read, group)
         except RuntimeError as exc:  # the trainer died or gave up mid-broadcast: nothing is staged
             await self.close()
             raise APIError(503, f"receiving the weights from the trainer failed ({exc}); the trainer's group is left, "

@@ -20,7 +20,6 @@ since a version here is the epoch stamped on tokens, which changes with the weig
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -29,8 +28,8 @@ from fastapi.responses import JSONResponse
 from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, announced
 from ..errors import APIError, bad_request
 from ..intake import parse_body
-from .weight_primerl import WeightDirRequest, update_from_directory
-from .weight_updates import Body, WeightUpdates, epoch_of, read
+from .weight_primerl import PrimeRL, WeightDirRequest
+from .weight_updates import Body, WeightUpdates, body_keys, epoch_of, read
 from .responses import WEIGHT_RESPONSES
 
 VLLM_WEIGHT_PATHS = frozenset({"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
@@ -82,8 +81,9 @@ class CheckerRequest(Body):
     baseline: dict[str, str] | None = None
 
 
-def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None:
-    """vLLM's weight routes on ``app`` (the admin key's ``guard``); see the module docstring."""
+def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, primerl: PrimeRL, guard: list[Any]) -> None:
+    """vLLM's weight routes on ``app`` (the admin key's ``guard``), prime-rl's ``{weight_dir}`` bodies to ``primerl``;
+    see the module docstring."""
     packing = {"packed": False, "buffer": PACKED_BUFFER_BYTES}  # what init_weight_transfer_engine said
 
     @app.post("/init_weight_transfer_engine", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
@@ -116,9 +116,9 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
     @app.post("/update_weights", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm", "prime-rl"])
     async def update_weights(request: Request) -> dict[str, Any]:
         raw = await request.body()
-        keys = _keys(raw)
+        keys = body_keys(raw)
         if keys == {"weight_dir"}:
-            return await update_from_directory(updates, parse_body(WeightDirRequest, raw))
+            return await primerl.update_weights(parse_body(WeightDirRequest, raw))
         if "update_info" not in keys:
             raise bad_request("POST /update_weights takes vLLM's {\"update_info\": {\"names\", \"dtype_names\", "
                               "\"shapes\", \"packed\"}} or prime-rl's {\"weight_dir\": DIR}; got keys "
@@ -179,12 +179,3 @@ def _add_checker(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None
         baseline = body.baseline or {}
         mismatches = sorted(key for key in checksums.keys() | baseline.keys() if checksums.get(key) != baseline.get(key))
         return JSONResponse({"match": not mismatches, "mismatches": mismatches})
-
-
-def _keys(raw: bytes) -> set[str]:
-    """The top-level keys of a JSON object body (an empty set for anything else, which the parsers then refuse)."""
-    try:
-        value = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        raise bad_request("the request body is not JSON", code="invalid_json") from None
-    return set(value) if isinstance(value, dict) else set()
