@@ -17,8 +17,9 @@ from megatron_serve.client.detokenizer import IncrementalDetokenizer
 from megatron_serve.hub import resolve_model
 from megatron_serve.tokenizer import Tokenizer
 
-# 8 prompts of varied lengths and kinds (prose, code, Q&A, SQL) batched: each one's tokens are transformers' own,
-# one prompt at a time (it held 12 more of the same kinds before, each another transformers generate)
+# 20 prompts of varied lengths and kinds (prose, code, Q&A, SQL, HTML, a letter) batched: each one's tokens are
+# transformers' own, one prompt at a time. None where the model ends the text within NEW_TOKENS: transformers'
+# min_new_tokens masks the end-of-text token, where ignore_eos lets it be generated (and then goes on)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -28,6 +29,18 @@ PROMPTS = [
     "Q: What is 2 + 2?\nA:",
     "SELECT name FROM users WHERE",
     "A haiku about the sea:\n",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "To make a cup of tea,",
+    "The theory of relativity states that",
+    "for i in range(10):",
+    "The first person to walk on the moon was",
+    "Water boils at",
+    "The chemical symbol for gold is",
+    "Dear Sir or Madam,",
+    "The best way to learn programming is",
+    "<html>\n<head>",
+    "Photosynthesis is the process",
 ]
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
