@@ -9,7 +9,7 @@ items; the table says each score and how many items agree (the chosen choice, th
 answer is an engine's float32 arithmetic, not transformers': log-likelihoods are compared to a tolerance, and the
 choices and texts they lead to ``==``.
 
-    python benchmarks/lm_eval_parity.py                   # every item (about 15 minutes on a 2-core machine)
+    python benchmarks/lm_eval_parity.py                   # every item (about 6 minutes on a 2-core AMX Xeon)
     python benchmarks/lm_eval_parity.py --limit 20        # the first 20 items of each task
 
 The same tasks by lm-eval's own command line, from the repository's root, against a running server:
