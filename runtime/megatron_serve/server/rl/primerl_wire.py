@@ -25,7 +25,6 @@ from .weight_bridge import TrainerGroup
 
 #: The most bytes of metadata a state dict may announce: a layer's names and shapes, far below it.
 METADATA_LIMIT = 64 << 20
-_INT64_BYTES = 8
 
 #: One state dict's metadata, checked: per dtype, in the order sent, its tensors' (name, shape, numel).
 Metadata = list[tuple[torch.dtype, list[tuple[str, list[int], int]]]]
@@ -57,8 +56,8 @@ def receive_state_dicts(group: TrainerGroup) -> list[tuple[str, torch.Tensor]]:
         size = _integer(group)
         if not 0 < size <= METADATA_LIMIT:
             raise RuntimeError(f"prime-rl's state dict metadata of {size} bytes (at most {METADATA_LIMIT})")
-        for dtype, entries in metadata_of(group.receive_bytes(size).numpy().tobytes()):
-            flat = group.receive_bytes(sum(numel for _, _, numel in entries) * dtype.itemsize)
+        for dtype, entries in metadata_of(group.receive_tensor(size, torch.uint8).numpy().tobytes()):
+            flat = group.receive_tensor(sum(numel for _, _, numel in entries), dtype).view(torch.uint8)
             offset = 0
             for name, shape, numel in entries:
                 names.append(name)
@@ -75,8 +74,8 @@ def receive_state_dicts(group: TrainerGroup) -> list[tuple[str, torch.Tensor]]:
 
 
 def _integer(group: TrainerGroup) -> int:
-    """``broadcast_integer``'s value: one int64, as the sender's machine (and every GPU host) orders its bytes."""
-    return int(group.receive_bytes(_INT64_BYTES).view(torch.int64).item())
+    """``broadcast_integer``'s value: one int64."""
+    return int(group.receive_tensor(1, torch.int64).item())
 
 
 def metadata_of(raw: bytes) -> Metadata:

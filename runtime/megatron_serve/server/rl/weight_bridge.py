@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import math
 import socket
 from typing import Any, Callable
 
@@ -58,9 +59,10 @@ class TrainerGroup:
         return _each([lambda group=group: _receive(group, self.layout, metas, packed, buffer_bytes)
                       for group in self._groups])[0]
 
-    def receive_bytes(self, nbytes: int) -> torch.Tensor:
-        """One broadcast of ``nbytes`` bytes, in host memory (a protocol that frames its own stream, prime-rl's)."""
-        return _each([lambda group=group: _broadcast_bytes(group, self.layout, nbytes) for group in self._groups])[0]
+    def receive_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One broadcast of ``numel`` elements of ``dtype``, in host memory (a protocol that frames its own stream,
+        prime-rl's)."""
+        return _each([lambda group=group: _broadcast(group, self.layout, numel, dtype) for group in self._groups])[0]
 
     def barrier(self) -> None:
         """Every rank of the group (TRL's client waits on one after each tensor)."""
@@ -101,8 +103,11 @@ def _towards(host: str) -> str:
 def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], packed: bool,
              buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
     received: list[tuple[str, torch.Tensor]] = []
-    for chunk in (packed_chunks(metas, buffer_bytes) if packed else [[meta] for meta in metas]):
-        host = _broadcast_bytes(group, layout, sum(meta.nbytes for meta in chunk))
+    if not packed:  # each tensor as the trainer holds it
+        return [(meta.name, _broadcast(group, layout, math.prod(meta.shape), torch_dtype(meta.dtype)).view(meta.shape))
+                for meta in metas]
+    for chunk in packed_chunks(metas, buffer_bytes):  # bytes, as vLLM's sender packs them
+        host = _broadcast(group, layout, sum(meta.nbytes for meta in chunk), torch.uint8)
         offset = 0
         for meta in chunk:  # a copy each: packed bytes start anywhere, and a view needs its dtype's alignment
             piece = host[offset:offset + meta.nbytes].clone()
@@ -111,10 +116,11 @@ def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], 
     return received
 
 
-def _broadcast_bytes(group: dist.ProcessGroup, layout: Layout, nbytes: int) -> torch.Tensor:
-    """The sender's next broadcast of ``nbytes`` bytes, whatever dtype it sent them as (a broadcast moves bytes)."""
+def _broadcast(group: dist.ProcessGroup, layout: Layout, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sender's next broadcast, of ``numel`` elements of ``dtype``: the type it sent (NCCL pairs a broadcast's
+    count and type on every rank; gloo's bytes would pass for any)."""
     device = torch.device("cuda", torch.cuda.current_device()) if layout.backend == "nccl" else torch.device("cpu")
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = torch.empty(numel, dtype=dtype, device=device)
     options = dist.BroadcastOptions()
     options.rootRank = layout.src
     group.broadcast([buffer], options).wait()
