@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...errors import EngineGroupLost
 from ..step_plan import StepPlan
 
 
@@ -56,6 +57,16 @@ class PlanChannel:
         message: list = [None]
         dist.broadcast_object_list(message, src=self.leader, group=self.group)
         return kind, message[0], None
+
+    def gather(self, what: str) -> list:
+        """The leader's side of what each other rank sends back once it is done with ``what``, in rank order; a
+        failed collective means the group broke."""
+        everyone: list = [None] * dist.get_world_size(self.group)
+        try:
+            dist.gather_object(None, everyone, dst=self.leader, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
+        return everyone[1:]
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """A step's device tensor (previous tokens, image embeddings) from the leader to its ranks."""

@@ -35,12 +35,12 @@ class GroupHandoff:
     def layouts(self) -> list[Layout]:
         if self._layouts is None:  # asked once: a pool's layout is fixed for its life
             self.tell("kv_layout", None)
-            self._layouts = self._gathered()
+            self._layouts = self.channel.gather("a KV layout query")
         return self._layouts
 
     def park(self, blocks: list[int]) -> list[list[torch.Tensor]]:
         self.tell("kv_park", blocks)
-        return self._gathered()
+        return self.channel.gather("a parking of KV parts")
 
     def restore(self, blocks: list[int], parts: list[list[torch.Tensor]]) -> None:
         self.tell("kv_restore", blocks)
@@ -48,15 +48,6 @@ class GroupHandoff:
             dist.scatter_object_list([None], [None, *parts], src=self.channel.leader, group=self.channel.group)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke handing its ranks their KV parts: {exc}") from exc
-
-    def _gathered(self) -> list:
-        """What each other rank sends back, in rank order (rank 0 sends nothing)."""
-        everyone: list = [None] * dist.get_world_size(self.channel.group)
-        try:
-            dist.gather_object(None, everyone, dst=self.channel.leader, group=self.channel.group)
-        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"tensor-parallel group broke gathering its ranks' KV parts: {exc}") from exc
-        return everyone[1:]
 
 
 def follow(kind: str, payload: object, pool: KVCachePool, channel: PlanChannel) -> None:

@@ -124,22 +124,13 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
-        return self._outcomes("a refit")
+        return self.channel.gather("a refit")
 
     def on_share(self, payload: tuple[str, str, int, float]) -> None:
         self._broadcast("peer", payload)
 
     def share_outcomes(self) -> list[str | None]:
-        return self._outcomes("a peer pull")
-
-    def _outcomes(self, what: str) -> list:
-        """What each other rank reported of ``what``, in rank order (they send it once they are done)."""
-        outcomes: list = [None] * dist.get_world_size(self.channel.group)
-        try:
-            dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
-        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
-        return outcomes[1:]
+        return self.channel.gather("a peer pull")
 
     def shutdown(self) -> None:
         if not dist.is_initialized():
