@@ -20,7 +20,8 @@ class PlanChannel:
     of the data-parallel ranks, which a step and an idle rank's empty MoE pass are padded for (-1: none).
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle", "peer", "kv_copy", "kv_layout", "kv_park", "kv_restore")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle", "peer", "kv_copy", "kv_layout", "kv_park",
+             "kv_restore")
 
     def __init__(self, group: dist.ProcessGroup, leader: int = 0, device_group: object | None = None,
                  leaders: object | None = None):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...errors import EngineGroupLost
 from ..kv.cache import KVCachePool
 from ..kv.park import ParkedKV
-from ..kv.transfer import Layout, pool_layout
+from ..kv.transfer import Layout
 from .channel import PlanChannel
 
 
@@ -54,7 +54,7 @@ def follow(kind: str, payload: object, pool: KVCachePool, channel: PlanChannel) 
     """A follower's part of a ``kv_layout``, ``kv_park`` or ``kv_restore`` message of rank 0's."""
     group, leader = channel.group, channel.leader
     if kind == "kv_layout":
-        dist.gather_object(pool_layout(pool), None, dst=leader, group=group)
+        dist.gather_object(pool.block_layout(), None, dst=leader, group=group)
     elif kind == "kv_park":
         dist.gather_object(ParkedKV.park(pool, payload, 0).host, None, dst=leader, group=group)
     else:

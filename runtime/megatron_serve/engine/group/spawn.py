@@ -18,8 +18,8 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.synchronize
 import os
-import sys
 import socket
+import sys
 import tempfile
 import threading
 import time

@@ -247,6 +247,11 @@ class KVCachePool:
         """The pool's tensors, each with the block as its dim 2 (values; with fp8 their scales too)."""
         return [t for t in (self._storage, self._scales) if t is not None]
 
+    def block_layout(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each of :meth:`block_tensors`' dtype and the shape of one block of it (dim 2 taken out): what a block's
+        copy in host memory, or on its way to another engine, holds."""
+        return [(t.dtype, (*t.shape[:2], *t.shape[3:])) for t in self.block_tensors()]
+
     @property
     def bytes_per_pool_block(self) -> int:
         """Bytes of one block across every layer (values and, with fp8, scales)."""

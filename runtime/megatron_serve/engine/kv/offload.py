@@ -73,8 +73,8 @@ class TransferStats:
 
 def host_buffers(pool: KVCachePool, num_slots: int, pin_memory: bool) -> list[torch.Tensor]:
     """Host memory for ``num_slots`` blocks of ``pool``: per pool tensor, ``[slots, *block shape]``."""
-    return [torch.empty((num_slots, *t.shape[:2], *t.shape[3:]), dtype=t.dtype, pin_memory=pin_memory)
-            for t in pool.block_tensors()]
+    return [torch.empty((num_slots, *shape), dtype=dtype, pin_memory=pin_memory)
+            for dtype, shape in pool.block_layout()]
 
 
 class HostKVTier:

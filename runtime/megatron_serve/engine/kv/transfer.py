@@ -54,7 +54,8 @@ class TransferCounts:
                                  for direction in KV_TRANSFER_DIRECTIONS}
 
 
-#: A rank's block tensors as ``KV_BLOCKS`` describes them: (dtype, block shape), in the pool's order.
+#: A rank's block tensors as ``KV_BLOCKS`` describes them: (dtype, block shape), in the pool's order
+#: (:meth:`~.cache.KVCachePool.block_layout`).
 Layout = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
@@ -85,10 +86,6 @@ class NoOtherRanks:
 
     def restore(self, blocks: list[int], parts: list[list[torch.Tensor]]) -> None:
         pass
-
-
-def pool_layout(pool: KVCachePool) -> Layout:
-    return [(t.dtype, (*t.shape[:2], *t.shape[3:])) for t in pool.block_tensors()]
 
 
 def _as_bytes(tensor: torch.Tensor) -> bytes:
@@ -206,10 +203,9 @@ class KVTransfer:
             return f"{kv.num_blocks} blocks needed, {self.allocator.num_free} free"
         return None
 
-
     def _layout(self) -> Layout:
         """Every rank's block tensors, rank 0's first: what ``KV_BLOCKS`` carries for this engine."""
-        return [*pool_layout(self.pool), *(entry for layout in self.others.layouts() for entry in layout)]
+        return [*self.pool.block_layout(), *(entry for layout in self.others.layouts() for entry in layout)]
 
 
 def _whole(parts: list[KVBlocks]) -> tuple[KVBlocks | None, str | None]:
