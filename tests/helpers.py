@@ -173,6 +173,22 @@ class Children:
                 return log.read_text(errors="replace")
         return ""
 
+    def check_running(self) -> None:
+        """Raise, with its log's end, for a child that exited (an engine that refused its flags, say): a test
+        waiting for it would otherwise wait out its whole time-out."""
+        for proc, log in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{log.stem} exited with {proc.returncode}:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+
+    async def registered(self, client: InferenceClient, count: int, timeout: float = 300) -> None:
+        """Until ``count`` engines registered with the coordinator, failing at once if any child exits."""
+        async def enough() -> bool:
+            self.check_running()
+            return len((await client.status())["engines"]) >= count
+
+        await until(enough, timeout, f"{count} engine(s) to register", interval=0.1)
+
     def coordinator(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         return self.spawn(["coordinator", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
                           "coordinator", env)

@@ -21,6 +21,7 @@ from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port
 from ..fp8_checkpoints import block_fp8_checkpoint
 from .test_weight_sync_fleet import PROMPTS, run_trainer
@@ -30,6 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BLOCK = (16, 16)  # divides every tensor-parallel slice of the tiny model's projections
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_log_probs=True)
 FP8_KV = ("--kv-cache-dtype", "fp8")
+# every engine and the reference on one device: where one GPU cannot hold the tensor-parallel group's two ranks, all
+# of them on CPU (an FP8 engine's tokens on a GPU are not the CPU's: its prefill quantizes activations)
+DEVICE = tensor_parallel_device(2)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-weight-sync")
     a, b = make_tiny_model(root / "a", seed=0), make_tiny_model(root / "b", seed=1)
     a_fp8, b_fp8 = block_fp8_checkpoint(a, root / "a-fp8", BLOCK), block_fp8_checkpoint(b, root / "b-fp8", BLOCK)
-    with MegatronLLM(str(b_fp8), InferenceConfig(num_kv_blocks=64, kv_cache_dtype="fp8")) as llm:
+    with MegatronLLM(str(b_fp8), InferenceConfig(num_kv_blocks=64, kv_cache_dtype="fp8", device=DEVICE)) as llm:
         expected_b = [(r.generated_tokens, r.generated_log_probs) for r in llm.generate(PROMPTS, GREEDY)]
     return SimpleNamespace(a_fp8=str(a_fp8), b=str(b), expected_b=expected_b)
 
@@ -47,8 +51,8 @@ def fleet(models, tmp_path_factory):
     children = Children(tmp_path_factory.mktemp("fp8-weight-sync-logs"))
     port = free_port()
     children.coordinator(models.a_fp8, port)
-    children.engine(models.a_fp8, port, "--group", "0", *FP8_KV)
-    children.engine(models.a_fp8, port, "--group", "1", "--tensor-parallel", "2", *FP8_KV)
+    children.engine(models.a_fp8, port, "--group", "0", "--device", DEVICE, *FP8_KV)
+    children.engine(models.a_fp8, port, "--group", "1", "--tensor-parallel", "2", "--device", DEVICE, *FP8_KV)
     try:
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
     finally:
@@ -65,7 +69,7 @@ async def assert_serves(client: InferenceClient, expected: list[tuple[list[int],
 
 async def test_bf16_weights_into_an_fp8_fleet_serve_as_an_fp8_engine_loaded_from_them(fleet, models):
     async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
-        await client.wait_for_engines(2, timeout=300)
+        await fleet.children.registered(client, 2)
         await client.pause()
         code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 7)
         assert code == 0, lines

@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 class StructuredOutputs:
     """The matchers of the constrained requests of one engine."""
 
-    def __init__(self, tokenizer: Vocabulary, vocab_size: int):
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int, pin_memory: bool = False):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.pin_memory = pin_memory  # the engine runs on a GPU
         self._matchers: dict[str, Any] = {}  # request id -> llguidance.LLMatcher
 
     @cached_property
@@ -171,7 +172,7 @@ class StructuredOutputs:
 
         # Pinned where a GPU takes it: a copy from pageable memory would wait for the forward queued before it.
         bitmask = torch.full((total, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                             pin_memory=torch.cuda.is_available())
+                             pin_memory=self.pin_memory)
         walks = []  # (request row, its matcher, how many of its drafts it walks through)
         for i in rows:
             valid = self.draft_prefix(request_ids[i], drafts[i], stop_token_ids[i]) if drafts[i] else 0

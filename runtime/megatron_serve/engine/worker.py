@@ -70,7 +70,7 @@ class ModelWorker:
             keep_freed_memory()
         self.sampling_state = SamplingState(model.config.vocab_size, device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
-        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, device.type == "cuda")
         self.structured.warm()  # llguidance loaded off the step: the first constrained request stopped it for seconds
         self.encoder_cache = encoder_cache_for(model, tokenizer)
         self.parity = parity

@@ -6,7 +6,7 @@ rank, point to point and in parallel, the chunks :func:`.shards.link_chunks` nam
 region (never a full tensor it does not serve). Nothing live changes while bytes move: once every byte of its
 regions is here, the rank joins the commit (every rank of the transfer, trainer ranks included); only when all
 got there does it hand the regions to the loader (:class:`.layout.RegionSlice`). Staging is in host memory
-(pinned on a GPU machine): the device holds only the buckets in flight. A rank that dies or a
+(pinned for an engine on a GPU): the device holds only the buckets in flight. A rank that dies or a
 transfer that breaks fails the commit everywhere, within the transfer's timeout, and every engine keeps its
 weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent). Once loaded,
 each rank publishes its figures for the acknowledgement: bytes received, seconds, bytes/s, the bytes it serves, and
@@ -106,7 +106,8 @@ class ShardedSource(TrainerSource):
             raise RuntimeError(f"rank {rank} could not join the transfer group of {self.label}: {exc}") from exc
         try:
             names, digests = sent_names(rv, store, rank, regions, deadline)
-            staged, facts = _receive(rv, pg, regions, names, device)
+            pinned = next(model.parameters()).device.type == "cuda"  # staging a GPU will read
+            staged, facts = _receive(rv, pg, regions, names, device, pinned)
             # Checks of the received values belong here, before the commit: one that raises fails the commit on
             # every rank, and no engine changes.
             refuse_nonfinite(staged.items(), f"REFIT from {self.label}")
@@ -144,13 +145,13 @@ def _publish(store: dist.Store, rank: int, facts: dict[str, Any]) -> None:
 
 
 def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], names: set[str],
-             device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+             device: torch.device, pinned: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every chunk of ``names`` from every trainer rank, copied into one staging tensor per region, in host memory
-    (pinned where a GPU will read it): a refit needs no device memory beyond the buckets in flight."""
+    (``pinned`` where a GPU will read it; never in an engine on CPU, where pinning would start a CUDA context on a
+    GPU machine): a refit needs no device memory beyond the buckets in flight."""
     started = time.perf_counter()
     manifest, pieces = rv.manifest, rv.pieces or []
     wanted = {name: box for name, box in regions.items() if name in names}
-    pinned = torch.cuda.is_available()  # host staging: the engine's device keeps only the buckets in flight
     staged = {spec.name: torch.empty(wanted[spec.name][1], dtype=torch_dtype(spec.dtype), pin_memory=pinned)
               for spec in manifest if spec.name in wanted}
     links = {sender: deque(buckets_of(link_chunks(manifest, pieces, sender, wanted, rv.bucket_bytes),
