@@ -30,8 +30,8 @@
 #   bash benchmarks/gpu_session.sh refit     # sharded refit: the plan's and the fleet's tests natively (engines on the
 #                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
 #                                            # joiner pulling from a GPU peer, over gloo), the MoE (EP), one-transaction
-#                                            # (EAGLE-3 head + LoRA), drafter and FP8 refits, then refit.py
-#                                            # --sharded's table (bytes/s per link, time vs size, world 1/2/4)
+#                                            # (EAGLE-3 head + LoRA), drafter and FP8 refits, then
+#                                            # refit_sharded.py's table (bytes/s per link, time vs size, world 1/2/4)
 #   bash benchmarks/gpu_session.sh kvtiers   # KV beyond the device pool: the host tier's side-stream copies and the
 #                                            # tier, keep_kv and partial-rollout tests natively (the engines on the
 #                                            # GPU), then benchmarks/kv_tiers.py's tables (tier on/off, keep_kv vs
@@ -164,7 +164,7 @@ case ${1:-tests} in
     step pytest_refit_moe_drafter_fp8 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
       tests/weights/test_sharded_refit_moe_fleet.py tests/weights/test_refit_transaction_fleet.py \
       tests/weights/test_drafter_refit_fleet.py tests/weights/test_fp8_weight_sync.py
-    step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
+    step refit_sharded 540 python3 benchmarks/refit_sharded.py --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;
   kvtiers)

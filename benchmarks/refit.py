@@ -13,7 +13,6 @@ split comes from the REFIT acknowledgement. Prints one table (median of ``--roun
 
     python benchmarks/refit.py                                   # ~360 MB fp32 checkpoints on CPU
     python benchmarks/refit.py --hidden-size 2048 --layers 8 --rounds 5
-    python benchmarks/refit.py --sharded --sizes 256,512,1024 --world-sizes 1,2,4   # refit_sharded.py's tables
 
 ``--finite-check`` measures instead what the NaN/Inf check (``megatron_serve.model.finite``) costs a refit, in
 one process (a direct-mode engine, no fleet): refits from a directory and from tensors in memory, each with the
@@ -196,19 +195,12 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    import refit_sharded  # noqa: PLC0415 - it imports this module (through weight_sync) for its options
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_options(parser)
-    parser.add_argument("--sharded", action="store_true",
-                        help="a sharded trainer's refit: bytes/s per link, time vs size for trainer world sizes")
     parser.add_argument("--finite-check", action="store_true",
                         help="measure the NaN/Inf check's cost on refits (one process) instead of refit vs restart")
-    refit_sharded.add_options(parser)
     args = parser.parse_args()
-    if args.sharded:
-        refit_sharded.main(args)
-    elif args.finite_check:
+    if args.finite_check:
         finite_check_cost(args)
     else:
         asyncio.run(main_async(args))

@@ -1,4 +1,4 @@
-"""A sharded trainer's refit (``refit.py --sharded``): bytes/s per link against this machine's memory copy, and the
+"""A sharded trainer's refit: bytes/s per link against this machine's memory copy, and the
 time to refit against the model's size for trainer world sizes 1, 2 and 4.
 
 For each checkpoint size (``--sizes``: hidden sizes; layers and the rest as ``refit.py``'s options) a local fleet
@@ -9,7 +9,7 @@ vocabulary by rows, norms on rank 0, as ``megatron_serve.weights.megatron_core.t
 the acknowledgement, the transfer's own seconds (rank 0), and each engine rank's bytes/s (every trainer rank's
 link to it at once), beside one host-to-host ``copy_`` of the same bytes.
 
-    python benchmarks/refit.py --sharded --sizes 256,512,1024 --world-sizes 1,2,4
+    python benchmarks/refit_sharded.py --sizes 256,512,1024 --world-sizes 1,2,4
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.megatron_core import tp_piece
 
 sys.path.insert(0, str(Path(__file__).parent))
+from refit import add_checkpoint_options  # noqa: E402
 from weight_sync import memory_copy_bandwidth  # noqa: E402
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
@@ -127,7 +128,7 @@ async def _wait(address: str, token: str) -> None:
         await client.wait_for_engines(1, timeout=600)
 
 
-def main(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     rows = [row for hidden in args.sizes for row in one_size(args, hidden)]
     copy = memory_copy_bandwidth(int(max(r["MiB"] for r in rows) * 2**20))
     print(f"\nsharded refit, fp32, CPU ({os.cpu_count()} cores), gloo, {args.bucket_mib} MiB buckets, one engine of "
@@ -146,3 +147,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--engine-tp", type=int, default=1)
     parser.add_argument("--bucket-mib", type=int, default=32)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_options(parser)
+    add_options(parser)
+    run(parser.parse_args())

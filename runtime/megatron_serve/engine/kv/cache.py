@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,11 +19,19 @@ from .bands import BandedLRU
 
 if TYPE_CHECKING:
     from .events import BlockOrigin, KVEventLog
-    from .offload import HostKVTier
 
 
 class OutOfBlocksError(RuntimeError):
     pass
+
+
+class LowerTier(Protocol):
+    """Where the pool's evicted cached blocks go, and what a reset clears below it (the host tier,
+    :class:`.offload.HostKVTier`, which builds on this module)."""
+
+    def store(self, evicted: list[tuple[int, int]], bands: list[int] | None = None) -> int: ...
+
+    def clear(self, forget_files: bool = False) -> None: ...
 
 
 class BlockAllocator:
@@ -45,7 +53,7 @@ class BlockAllocator:
     event log (:mod:`.events`), every block registered and forgotten is told to it (medium ``GPU``).
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None,
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "LowerTier | None" = None,
                  events: "KVEventLog | None" = None):
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
