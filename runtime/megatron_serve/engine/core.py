@@ -58,14 +58,14 @@ from .memory_verbs import DeviceMemory
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
-from .served import EngineFacts, EngineLoad
+from .served import EngineFacts, EngineLoad, Serving
 from .group.turns import Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
 from .steps import InFlightStep, StepOutput
-from .verbs import Serving, call
+from .verbs import call
 from .worker import ModelWorker
 from ..weights.peer_pull import layout_digest
 

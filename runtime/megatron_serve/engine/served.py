@@ -10,7 +10,7 @@ disaggregation through two, ``kv_in`` and ``kv_out``, with a request's ``kv_tran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from ..wire.kv_blocks import KVBlocks
     from ..wire.lifecycle import Step
     from ..wire.deltas import PromptScores
-    from .verbs import Serving
     from ..wire.request import EngineRequest, FinalRecord
 
 
@@ -127,6 +126,26 @@ class AdapterVerbs(Protocol):
     def load(self, name: str, path: str) -> float: ...
 
     def unload(self, name: str) -> None: ...
+
+
+@dataclass
+class Serving:
+    """What the verbs change beside the weights and the pools, and what the engine process's HELLO says of it: a
+    restarted coordinator syncs the engine by its ``epoch``, ``weights`` and ``loras`` (``info``, the HELLO's, which
+    the verbs keep current once the process attached it)."""
+
+    lora_push_dir: str | None = None  # where a pushed adapter version is stored (``--lora-push-dir``)
+    weights: str | None = None  # where the served weights came from (a REFIT replaces it)
+    suspend_level: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    towards: str = ""  # the coordinator's host: a trainer's weights are offered to joiners on the route to it
+
+    def attach(self, info: dict[str, Any], towards: str, epoch: int, loras: dict[str, str] | None) -> None:
+        """Keep ``info`` (the HELLO's facts) current from now on; the weights came from its ``model``."""
+        self.info, self.towards, self.weights = info, towards, info.get("model")
+        info["epoch"], info["weights"] = epoch, self.weights
+        if loras is not None:  # the adapters it serves: routed to at once, before its first heartbeat
+            info["loras"] = loras
 
 
 class ServedEngine(Protocol):

@@ -10,14 +10,13 @@ sockets).
 
 The actions work over any :class:`~.served.ServedEngine` (its ``memory`` and ``adapters`` objects, its load and
 epoch), so the fleet tests' fake engines answer through this same table. What they change beside the weights and the
-pools is :class:`Serving`'s: where the served weights came from, the suspend level, and what the process's HELLO
+pools is :class:`~.served.Serving`'s: where the served weights came from, the suspend level, and what the process's HELLO
 says of both.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import RefitFailed
@@ -35,26 +34,6 @@ logger = logging.getLogger("megatron_serve.engine_process")
 
 #: The key of a registration's action (its body: the coordinator's ``HelloAck``), beside the lifecycle's steps.
 REGISTER = "register"
-
-
-@dataclass
-class Serving:
-    """What the verbs change beside the weights and the pools, and what the engine process's HELLO says of it: a
-    restarted coordinator syncs the engine by its ``epoch``, ``weights`` and ``loras`` (``info``, the HELLO's, which
-    the verbs keep current once the process attached it)."""
-
-    lora_push_dir: str | None = None  # where a pushed adapter version is stored (``--lora-push-dir``)
-    weights: str | None = None  # where the served weights came from (a REFIT replaces it)
-    suspend_level: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    towards: str = ""  # the coordinator's host: a trainer's weights are offered to joiners on the route to it
-
-    def attach(self, info: dict[str, Any], towards: str, epoch: int, loras: dict[str, str] | None) -> None:
-        """Keep ``info`` (the HELLO's facts) current from now on; the weights came from its ``model``."""
-        self.info, self.towards, self.weights = info, towards, info.get("model")
-        info["epoch"], info["weights"] = epoch, self.weights
-        if loras is not None:  # the adapters it serves: routed to at once, before its first heartbeat
-            info["loras"] = loras
 
 
 def call(engine: ServedEngine, step: Step | str, body: Any) -> dict[str, Any]:
