@@ -137,17 +137,28 @@ def test_without_a_tokenizer_text_stays_empty_and_stop_strings_are_refused():
 def test_pieces_list_each_token_once_its_text_is_sent_and_add_up_to_the_final_texts(tokenizer, stop, sizes):
     """With log probs the pieces carry the texts of the tokens a listing may show, never ahead of the text
     sent (a split character or a possible stop string's start holds them back); with the tail they add up
-    to the final record's ``generated_token_texts``, which concatenate to its text. Without log probs no
-    piece carries any (the control: nothing is made that nobody reads)."""
+    to the final record's ``generated_token_texts``, which concatenate to its text. Each listed text comes with its
+    token's id, log prob and top-n (parallel lists), so that a server renders a chunk from its piece alone. Without
+    log probs no piece carries any (the control: nothing is made that nobody reads)."""
     tokens = tokenizer.encode("héllo wörld 🚀 and more", add_special_tokens=False)
     for logprobs in (True, False):
         params = SamplingParams(return_log_probs=logprobs, stop_words=stop)
         collector = OutputCollector("r", PROMPT, params, tokenizer)
-        sent, texts = "", []
+        sent, texts, listed = "", [], ([], [], [], [])
+        lagged = False
+
+        def take(piece):
+            for have, more in zip(listed, (piece.listed_tokens, piece.listed_log_probs, piece.listed_top_ids,
+                                           piece.listed_top_log_probs)):
+                assert len(more) == len(piece.token_texts)
+                have += more
+
         for delta in deltas(tokens, sizes):
             piece = collector.add(delta)
             sent += piece.new_text
             texts += piece.token_texts
+            take(piece)
+            lagged |= len(piece.listed_tokens) != len(piece.new_tokens)
             assert "".join(texts) == sent[: len("".join(texts))] and len("".join(texts)) <= len(sent)
             if collector.stopped:
                 break
@@ -156,13 +167,16 @@ def test_pieces_list_each_token_once_its_text_is_sent_and_add_up_to_the_final_te
             if tail is not None:
                 sent += tail.new_text
                 texts += tail.token_texts
+                take(tail)
             final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
         else:
             final = collector.finish_stopped()
         if not logprobs:
-            assert texts == [] and final.generated_token_texts == []
+            assert texts == [] and final.generated_token_texts == [] and listed == ([], [], [], [])
             continue
         assert texts == final.generated_token_texts and len(texts) == len(final.generated_tokens)
+        assert listed[0] == final.generated_tokens and listed[1] == final.generated_log_probs and lagged
+        assert [dict(zip(*top)) for top in zip(listed[2], listed[3])] == final.generated_top_n_logprobs
         assert "".join(texts) == final.generated_text == sent
         assert any(t == "" for t in texts)  # a split character's first bytes (or tokens past the stop) add nothing
 

@@ -133,24 +133,28 @@ class OutputCollector:
         if delta.new_log_probs:
             piece.new_log_probs = delta.new_log_probs[:kept]
         if delta.top_ids is not None and delta.top_log_probs is not None:
-            piece.new_top_logprobs = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
+            piece.new_top_ids, piece.new_top_log_probs = delta.top_ids[:kept], delta.top_log_probs[:kept]
         if detokenizer is not None:
             piece.new_text = detokenizer.take_new_text(final=self.stopped)
             if detokenizer.ends is not None:
-                piece.token_texts = self._list(final=self.stopped)
+                self._list(piece, final=self.stopped)
         return piece
 
-    def _list(self, final: bool) -> list[str]:
-        """The texts of the tokens that a log-prob listing may show now: those whose text was all sent
-        (all of them when ``final``); empty without ``return_log_probs``."""
+    def _list(self, piece: StreamPartial, final: bool) -> None:
+        """Put in ``piece`` the listing of the tokens a log-prob listing may show now: those whose text was all sent
+        (all of them when ``final``), with their texts, ids, log probs and top-n; none without ``return_log_probs``."""
         detokenizer = self.detokenizer
         if detokenizer is None or detokenizer.ends is None:
-            return []
+            return
         first = self.listed
         last = len(detokenizer.ends) if final else max(first, detokenizer.listable(detokenizer.emitted))
         self.listed = last
         sent = detokenizer.text if final else detokenizer.text[: detokenizer.emitted]
-        return detokenizer.texts(sent, first, last, final=final)
+        piece.token_texts = detokenizer.texts(sent, first, last, final=final)
+        out = self.out
+        piece.listed_tokens = out.tokens[first:last]
+        piece.listed_log_probs = out.log_probs[first:last]
+        piece.listed_top_ids, piece.listed_top_log_probs = out.top_ids[first:last], out.top_log_probs[first:last]
 
     def _take_tokens(self, tokens: list[int]) -> int:
         """Append ``tokens`` up to the one that completes a stop string; how many were kept."""
@@ -166,8 +170,9 @@ class OutputCollector:
     def tail(self) -> StreamPartial | None:
         """The text held back so far (a possible stop string's start, an unfinished character), at the end."""
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=True)
-        texts = self._list(final=True)
-        return StreamPartial(self.request_id, [], text, token_texts=texts) if text or texts else None
+        piece = StreamPartial(self.request_id, [], text)
+        self._list(piece, final=True)
+        return piece if text or piece.token_texts else None
 
     def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
         """The final record from where the request ran, completed with what the deltas carried (and the text

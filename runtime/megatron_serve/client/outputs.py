@@ -15,17 +15,31 @@ from ..wire.request import DynamicInferenceRequest
 
 @dataclass(slots=True)
 class StreamPartial:
-    """One streamed piece of a request: the tokens (and text) an engine step added (one per stream and step: slots)."""
+    """One streamed piece of a request: the tokens (and text) an engine step added (one per stream and step: slots).
+
+    Top-n log probs stay parallel lists, as the deltas carry them (``new_top_ids[i]`` and ``new_top_log_probs[i]``
+    for new token ``i``), until whoever shows them renders them (:attr:`new_top_logprobs` as maps)."""
 
     request_id: str
     new_tokens: list[int]
     new_text: str
     new_log_probs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per new token, when asked for
-    # With return_log_probs: the texts of the next tokens a log-prob listing may show (all of their text
-    # was sent, by this piece or before), continuing where the stream's earlier pieces left off
+    new_top_ids: list[list[int]] = field(default_factory=list)  # per new token, when asked for
+    new_top_log_probs: list[list[float]] = field(default_factory=list)
+    # With return_log_probs, the listing: the next tokens a log-prob listing may show (all of their text was sent, by
+    # this piece or before), continuing where the stream's earlier pieces left off: their texts, ids, log probs and
+    # top-n. A listing may lag the tokens (their text held back: a possible stop string, an unfinished character).
     token_texts: list[str] = field(default_factory=list)
+    listed_tokens: list[int] = field(default_factory=list)
+    listed_log_probs: list[float] = field(default_factory=list)
+    listed_top_ids: list[list[int]] = field(default_factory=list)
+    listed_top_log_probs: list[list[float]] = field(default_factory=list)
     finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
+
+    @property
+    def new_top_logprobs(self) -> list[dict[int, float]]:
+        """The new tokens' top-n as one map each (id to log prob), for readers that show them so."""
+        return [dict(zip(ids, log_probs)) for ids, log_probs in zip(self.new_top_ids, self.new_top_log_probs)]
 
 
 #: One item of a stream.

@@ -6,8 +6,8 @@ Finish reasons, usage, and the bookkeeping of a streamed choice are the same for
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ..client.outputs import StreamPartial
@@ -74,6 +74,21 @@ def usage_fields(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInfe
             "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(finished)}}
 
 
+#: One token's alternatives as (id, log prob) pairs: a finished record's map's items, or a piece's parallel lists
+#: zipped where they are rendered (read once).
+TopPairs = Iterable[tuple[int, float]]
+
+
+def zipped(ids: list[list[int]], log_probs: list[list[float]]) -> list[TopPairs]:
+    """Each token's alternatives from top-n's parallel lists, as pairs (nothing built: read once, by a listing)."""
+    return list(map(zip, ids, log_probs))
+
+
+def paired(maps: list[dict[int, float]]) -> list[TopPairs]:
+    """Each token's alternatives from a finished record's maps, as pairs."""
+    return [top.items() for top in maps]
+
+
 @dataclass
 class Delta:
     """What one chunk of a streamed choice adds: its text, and the tokens (with log-probs) it lists.
@@ -86,7 +101,7 @@ class Delta:
     text: str
     tokens: list[int]
     log_probs: list[float]
-    top_n: list[dict[int, float]]
+    top_n: list[TopPairs]
     token_texts: list[str]
 
     @classmethod
@@ -95,50 +110,42 @@ class Delta:
         return cls("", [], [], [], [])
 
 
-@dataclass
-class _Choice:
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    log_probs: list[float] = field(default_factory=list)
-    top_n: list[dict[int, float]] = field(default_factory=list)
-    listed: int = 0  # tokens already listed in a chunk
-
-
 class StreamedChoices:
-    """What each choice of a streamed answer has listed so far: chunks are written from the pieces alone.
+    """Which choices of a streamed answer have begun, and how many tokens they generated: each chunk is rendered
+    from its piece alone.
 
     The client's output processor makes the text and each token's text once, and its pieces carry
     all of both (its last piece, at the end, what it held back: a possible stop string's start, and
     the listing of the tokens that held it); the final record adds nothing to them and is never
-    compared with what was streamed. ``token_texts`` (log probs asked for): a piece lists as many
-    tokens as it carries texts; without, every token is listed as it comes (``return_token_ids``).
+    compared with what was streamed. ``token_texts`` (log probs asked for): a piece lists the tokens of its
+    listing (``StreamPartial.listed_tokens``, which may lag its tokens); without, every token as it comes
+    (``return_token_ids``).
     """
 
     def __init__(self, token_texts: bool = False) -> None:
         self.token_texts = token_texts
-        self._choices: dict[int, _Choice] = {}
+        self._seen: set[int] = set()
+        self._generated = 0
 
     def generated(self) -> int:
         """Tokens generated so far, all choices together (the running usage of ``continuous_usage_stats``)."""
-        return sum(len(choice.tokens) for choice in self._choices.values())
+        return self._generated
 
     def first_seen(self, index: int) -> bool:
         """True once per choice, for its first item (when its opening chunk is due)."""
-        if index in self._choices:
+        if index in self._seen:
             return False
-        self._choices[index] = _Choice()
+        self._seen.add(index)
         return True
 
-    def piece(self, index: int, item: StreamPartial) -> Delta:
+    def piece(self, item: StreamPartial) -> Delta:
         """A streamed piece, counted as sent."""
-        choice = self._choices[index]
-        choice.tokens += item.new_tokens
-        choice.log_probs += item.new_log_probs
-        choice.top_n += item.new_top_logprobs
-        first = choice.listed
-        last = first + len(item.token_texts) if self.token_texts else len(choice.tokens)
-        choice.listed = last
-        return Delta(item.new_text or "", choice.tokens[first:last], choice.log_probs[first:last],
-                     choice.top_n[first:last], list(item.token_texts))
+        self._generated += len(item.new_tokens)
+        if self.token_texts:
+            return Delta(item.new_text or "", item.listed_tokens, item.listed_log_probs,
+                         zipped(item.listed_top_ids, item.listed_top_log_probs), item.token_texts)
+        return Delta(item.new_text or "", item.new_tokens, item.new_log_probs,
+                     zipped(item.new_top_ids, item.new_top_log_probs), item.token_texts)
 
 
 class StreamedAnswer:

@@ -7,7 +7,7 @@ from typing import Any
 from ..tokenizer import Tokenizer
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage, token_label
+from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, running_usage, token_label
 from .context import ServerContext
 from .errors import unsupported
 from .intake import check_budget
@@ -43,7 +43,7 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None, n: int = 20, ids: list[int] | None = None) -> dict[str, Any]:
+                  top_n: list[TopPairs] | None, n: int = 20, ids: list[int] | None = None) -> dict[str, Any]:
     """Log-probs (``ChatChoiceLogprobs``' fields, plain data) of tokens whose texts (what each adds to the
     generated text) are ``texts``; the ``n`` best alternatives are named by their own text. ``ids``: the tokens'
     ids, to name every token ``token_id:N`` instead (``return_tokens_as_token_ids``)."""
@@ -54,8 +54,8 @@ def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float]
     for i, text in enumerate(texts):
         entry = _entry(text, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
         alternatives = []
-        if top_n is not None and i < len(top_n) and top_n[i]:
-            ranked = sorted(top_n[i].items(), key=lambda kv: -kv[1])[:n]
+        if top_n is not None and i < len(top_n):
+            ranked = sorted(top_n[i], key=lambda kv: -kv[1])[:n]
             alternatives = [_entry(name(t), lp) for t, lp in ranked]
         entry["top_logprobs"] = alternatives
         content.append(entry)
@@ -101,7 +101,7 @@ class ChatHandler(GenerationHandler):
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
         return make_usage(len(self.prompt.tokens), finished)
 
-    def _logprobs(self, texts: list[str], log_probs: list[float], top_n: list[dict[int, float]] | None,
+    def _logprobs(self, texts: list[str], log_probs: list[float], top_n: list[TopPairs] | None,
                   ids: list[int]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
@@ -134,7 +134,7 @@ class ChatHandler(GenerationHandler):
         logprobs = None
         if self.want_logprobs:
             logprobs = self._logprobs(result.generated_token_texts, result.generated_log_probs,
-                                      result.generated_top_n_logprobs, result.generated_tokens)  # texts made once
+                                      paired(result.generated_top_n_logprobs), result.generated_tokens)  # texts made once
         ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
         return ChatChoice(index=job.index, message=message, logprobs=logprobs,
                           finish_reason=self._finish_reason(result, bool(message.tool_calls)),
@@ -202,7 +202,7 @@ class _ChatEvents(StreamedAnswer):
             if self.plain and reader is None:
                 self.slots[id(job)] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
         final = not isinstance(item, StreamPartial)
-        delta = Delta.empty() if final else self.choices.piece(job.index, item)
+        delta = Delta.empty() if final else self.choices.piece(item)
         chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)
         if calls:
             self.called.add(job.index)

@@ -9,7 +9,7 @@ from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
-from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage, token_label
+from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, running_usage, token_label
 from .context import ServerContext
 from .errors import bad_request, unsupported
 from .intake import check_budget
@@ -38,7 +38,7 @@ from .translate import (
 
 
 def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float | None],
-                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20,
+                        top_n: list[TopPairs | None] | None, offset: int, n: int = 20,
                         ids: list[int] | None = None) -> dict[str, Any]:
     """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
     texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``
@@ -55,8 +55,8 @@ def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[
     token_logprobs += [None] * (len(texts) - len(token_logprobs))
     top: list[dict[str, float] | None] | None = None
     if top_n is not None:
-        top = [{name(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
-               if d is not None else None for d in top_n[: len(texts)]]
+        top = [{name(t): float(lp) for t, lp in sorted(pairs, key=lambda kv: -kv[1])[:n]}
+               if pairs is not None else None for pairs in top_n[: len(texts)]]
         top += [None] * (len(texts) - len(top))
     return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
@@ -131,13 +131,13 @@ class CompletionHandler(GenerationHandler):
         logprobs = None
         if self.want_logprobs:
             texts = list(result.generated_token_texts)  # made with the text, by the client's output processor
-            log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
+            log_probs, top = list(result.generated_log_probs), paired(result.generated_top_n_logprobs)
             ids = list(result.generated_tokens)
             if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
                 skip = self.req.skip_special_tokens is not False
                 texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
                 log_probs = [None, *result.prompt_log_probs, *log_probs]
-                top = [None, *result.prompt_top_n_logprobs, *top]
+                top = [None, *paired(result.prompt_top_n_logprobs), *top]
                 ids = [*result.prompt_tokens, *ids]
             logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
                                            0 if self.echo_logprobs else len(prefix), self.top,
@@ -185,7 +185,7 @@ class _CompletionEvents(StreamedAnswer):
             self.offsets[job.index] = len(prefix)
         opening = job.index not in self.opened
         if isinstance(item, StreamPartial):
-            delta = self.choices.piece(job.index, item)
+            delta = self.choices.piece(item)
             logprobs = self._logprobs(delta, self.offsets[job.index])
             if logprobs is not None:
                 self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
