@@ -430,8 +430,8 @@ def test_the_refit_transaction_probes_nothing():
 
 #: The plain engine's modules: they know drafts only as data (:mod:`megatron_serve.engine.drafts`, ``Emitted``'s
 #: accepted count), never the speculative wing, which the engine class composes and the worker calls through its hooks.
-PLAIN_ENGINE = ("scheduler", "steps", "worker", "token_append", "sequence", "sampler", "sampling_state", "step_plan",
-                "runner", "drafts", "kv.blocks")
+PLAIN_ENGINE = ("scheduler", "steps", "worker", "token_append", "sequence", "output", "sampler", "sampling_state",
+                "step_plan", "runner", "drafts", "kv.blocks")
 
 
 def test_the_plain_engine_never_imports_the_speculative_wing():
@@ -447,3 +447,15 @@ def test_the_plain_engine_never_imports_the_speculative_wing():
         if upward:
             offenders[name] = upward
     assert not offenders, f"plain engine modules importing engine/speculative: {offenders}"
+
+
+def test_the_engine_class_builds_the_speculator_and_knows_no_more_of_the_wing():
+    """The step loop is one loop in ``engine/core.py`` (a strategy object that the engine called, and that called the
+    engine back through a protocol, split one step over two files): the engine constructs its speculator, the one
+    import it makes from ``engine/speculative``, and calls its methods on plain data (sequences, counts, launched
+    steps)."""
+    modules = _modules()
+    name = "megatron_serve.engine.core"
+    upward = sorted(t for t in _imports(name, modules[name], modules)
+                    if t.startswith("megatron_serve.engine.speculative"))
+    assert upward == ["megatron_serve.engine.speculative.factory"], f"engine/core.py imports {upward}"

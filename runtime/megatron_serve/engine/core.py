@@ -3,7 +3,7 @@
 The engine is the loop over three kinds of object: the scheduler (:mod:`.scheduler`: which requests run, and
 what a finished step did to them), the worker (:mod:`.worker`: the device half, its runner, sampler, sampling
 state, grammar masks and image embeddings) and the verbs' objects (``memory``: suspend, resume, refit;
-``adapters``: LoRA; ``speculation``: the verify step, with speculative decoding on). A step is three calls with
+``adapters``: LoRA), with ``speculator`` the K policy and drafter (speculative decoding on). A step is three calls with
 one job each: ``schedule()`` picks what runs, the worker's ``launch()`` writes the plan into the persistent step
 buffers, runs the forward and samples on the device without waiting for it, and ``_finish()`` reads the sampled
 tokens back (the worker) and updates the requests (the scheduler). With ``async_scheduling`` (the default),
@@ -17,7 +17,9 @@ async scheduling). Stop conditions are seen one step late, so a finished request
 which is dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
 too: the step after one is planned as if it accepted every draft and corrected on the device by the drafts it
 rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
-:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
+:meth:`~.speculative.decoder.Speculator.overlaps`). Drafts are data: the speculator appends a request's drafts to its
+tokens before the step is scheduled (``num_drafts``), the scheduler gives them query rows, the worker verifies a step
+that has draft rows, and the scheduler rolls the rejected ones back by counts when the step is read (:mod:`.drafts`).
 
 The engine process reaches every lifecycle verb through one entry, ``call(step, body)`` (:mod:`.verbs`: one table of
 actions over the verbs' objects), and prefill/decode disaggregation through two, ``kv_in`` and ``kv_out``.
@@ -33,7 +35,7 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import InferenceConfig
 from ..model.config import ModelConfig
@@ -61,13 +63,14 @@ from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad, Serving
 from .group.turns import Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
-from .speculative.decoder import Speculator
-from .speculative.factory import make_proposer
-from .speculative.stepping import SpeculativeSteps
-from .steps import InFlightStep, StepOutput
+from .speculative.factory import make_speculator
+from .steps import InFlightStep, StepOutput, one_per_request
 from .verbs import call
 from .worker import ModelWorker
 from ..weights.peer_pull import layout_digest
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +79,8 @@ DISK_WAIT_S = 0.05  # a step with nothing to run but requests waiting for disk r
 
 class DynamicInferenceEngine:
     """The step loop over the scheduler (the bookkeeping), the worker (the device half: runner, sampler, sampling
-    state, grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit),
-    ``adapters`` (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
+    state, grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit) and
+    ``adapters`` (LoRA), with ``speculator`` (the K policy and the drafter, with speculative decoding on), behind
     :class:`~.served.ServedEngine`."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Vocabulary, config: InferenceConfig,
@@ -113,10 +116,7 @@ class DynamicInferenceEngine:
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
                                     Sampler.processed_alone)
-        spec = config.speculative
-        self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
-                                                                spec.num_speculative_tokens, self.stats, spec.adaptive,
-                                                                cpu=self.device.type == "cpu"))
+        self.speculator = make_speculator(config, model, self.stats, model_dir)
         self.worker = ModelWorker(model, tokenizer, config, runner, self.kv_cache, self.parity, self.speculator)
         self.loras = engine_loras(model, config, runner, self.kv_cache.layer_caches)  # after the base graphs
         admission = Admission(model.config, self.max_sequence_length, block_size, self.allocator.num_blocks,
@@ -138,8 +138,6 @@ class DynamicInferenceEngine:
         self.scheduler.forgets.append(self.worker.forget)
         self.expert = ExpertApi()  # the public requests added (Megatron's expert API), applied their outputs
         self.scheduler.emitted.append(self.expert.apply)
-        self.speculation = (None if self.speculator is None else
-                            SpeculativeSteps(self.speculator, self.scheduler, self.worker, config))
         settle = weakref.WeakMethod(self.settle)
         self.memory = DeviceMemory(model, config, self.worker, self.kv_cache, self.scheduler, self.parity,
                                    self.speculator, self.loras, lambda: settle()())
@@ -206,19 +204,7 @@ class DynamicInferenceEngine:
         if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
                        model_dir=model_dir)
-        from .group.leader import TensorParallelRunner  # noqa: PLC0415
-        from .group.spawn import abandon_group, start_rank_zero  # noqa: PLC0415
-
-        tp, channel, device, workers = start_rank_zero(str(model_dir), config)
-        try:
-            model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
-            buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
-            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
-                                          graphs_for(model, config, buffers))
-            return cls(model, tokenizer, config, runner, model_dir)
-        except BaseException:
-            abandon_group(workers)
-            raise
+        return _group_leader(cls, model_dir, config, tokenizer, dtype, model_config)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and the KV events' publisher; the engine is unusable
@@ -304,9 +290,15 @@ class DynamicInferenceEngine:
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
         launched by the previous call, after this call launched the next (its outputs come one call later).
-        With speculation on, the strategy plans the step (:meth:`~.speculative.stepping.SpeculativeSteps.step`).
+        With speculation on, the K policy first puts each decode-ready request's drafts in the step
+        (:meth:`~.speculative.decoder.Speculator.begin`): a verify step, overlapped too unless it must be read at once.
         """
-        outputs = self.speculation.step(self) if self.speculation is not None else self.step_overlapped()
+        speculator, scheduler = self.speculator, self.scheduler
+        ks, at_once = (None, False) if speculator is None else speculator.begin(scheduler.running, scheduler.waiting,
+                                                                                self.worker.structured)
+        outputs = self._launch_and_read(ks, at_once)
+        if speculator is not None and ks is not None:
+            speculator.end_step()
         self.worker.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
         self.kv_events.flush()  # the step's KV events, one batch
         return self.parity.deliver(outputs, self.epoch, self.stats, self.scheduler.add_request)
@@ -318,18 +310,26 @@ class DynamicInferenceEngine:
             self.host_tier.announce()
         self.kv_events.flush()
 
-    def step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
-        """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
-        drafting request's K) a verify step."""
-        outputs = self.scheduler.take_pending()
-        speculation = self.speculation
-        batch = speculation.schedule(ks, self) if ks and speculation is not None else self.schedule()
-        launched = (self.worker.launch(batch, self._in_flight, self.epoch, self.scheduler.fail) if batch is not None
+    def _launch_and_read(self, ks: dict[str, int] | None, at_once: bool) -> list[StepOutput]:
+        """One step, launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
+        drafting request's K) a verify step, whose drafts are proposed before it is scheduled and cut to the rows it
+        got. ``at_once``: a verify step that cannot overlap, launched after the step in flight is read and read at
+        once (the tokens of both in one output per request)."""
+        scheduler, speculator = self.scheduler, self.speculator
+        if at_once:
+            self.settle()
+        outputs = scheduler.take_pending()
+        if ks and speculator is not None:
+            speculator.propose(scheduler.running, ks, self.worker.structured.draft_prefix)
+        batch = self.schedule()
+        if ks and speculator is not None:
+            speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
+        launched = (self.worker.launch(batch, self._in_flight, self.epoch, scheduler.fail, at_once) if batch is not None
                     else None)
         previous, self._in_flight = self._in_flight, None
-        if speculation is not None and launched is not None:
-            speculation.launched(batch, launched, previous, ks)
-        if launched is not None and launched.sample is None:
+        if speculator is not None and launched is not None:
+            speculator.launched(batch, launched, previous, bool(ks))
+        if launched is not None and launched.sample is None and launched.emitted is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
             # just launched runs meanwhile), then fill the masks and sample.
             if previous is not None:
@@ -337,13 +337,14 @@ class DynamicInferenceEngine:
                 previous = None
             self.worker.sample(launched)
         done = [previous] if previous is not None else []
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not at_once:
             self._in_flight = launched
         elif launched is not None:
             done.append(launched)
         for step in done:
             outputs += self._finish(step)
-        return outputs + self.scheduler.take_pending()
+        outputs += scheduler.take_pending()
+        return one_per_request(outputs) if at_once else outputs
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
@@ -374,3 +375,22 @@ class DynamicInferenceEngine:
     def _finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its tokens."""
         return self.scheduler.update_from_output(step, self.worker.read(step))
+
+
+def _group_leader(cls: type[DynamicInferenceEngine], model_dir: str | Path, config: InferenceConfig,
+                  tokenizer: Vocabulary, dtype: torch.dtype, model_config: ModelConfig) -> DynamicInferenceEngine:
+    """The engine at rank zero of a tensor-parallel group (:meth:`DynamicInferenceEngine.from_model_dir`): the other
+    ranks are started and joined first, and abandoned when the model or the engine fails to load."""
+    from .group.leader import TensorParallelRunner  # noqa: PLC0415
+    from .group.spawn import abandon_group, start_rank_zero  # noqa: PLC0415
+
+    tp, channel, device, workers = start_rank_zero(str(model_dir), config)
+    try:
+        model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
+        buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
+        runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
+                                      graphs_for(model, config, buffers))
+        return cls(model, tokenizer, config, runner, model_dir)
+    except BaseException:
+        abandon_group(workers)
+        raise

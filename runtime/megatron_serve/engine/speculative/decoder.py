@@ -44,7 +44,7 @@ like any other. When the step in flight is read, ``roll_back`` takes the later s
 ``token_ids``, removes the rejected drafts, appends the emitted tokens and ``restore`` puts the later drafts
 back; a request that finished (stop token, EOS, length) or left meanwhile has its later rows dropped. Where the
 next step cannot be planned this way, a verify step reads the step in flight first and is read at once
-(``verify``): the fallbacks are listed in :meth:`~.stepping.SpeculativeSteps.overlaps`.
+(``verify``): the fallbacks are listed in :meth:`Speculator.overlaps`.
 
 Cost: one sampler pass and one read over ``1 + K`` rows per request, instead of one row: the rows past a
 rejection are drawn in vain. On a GPU they cost next to nothing, and a pass per depth cost a device round trip
@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Container, Iterable
 
 import torch
 
 from ..logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
-from ..steps import Emitted
+from ..steps import Emitted, InFlightStep
 from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
@@ -105,11 +105,13 @@ class Speculator:
     """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
 
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats, adaptive: bool = True,
-                 cpu: bool = True):
+                 cpu: bool = True, overlap: bool = True):
         """``cpu``: the engine runs on a CPU, where a step's cost is its CPU time (the wall clock there also counts
         the other processes sharing the cores); on an accelerator the host waits for the device, so the wall clock
-        is the cost."""
+        is the cost. ``overlap``: the engine may launch a verify step before the step in flight is read (the
+        engine's fallbacks of :meth:`overlaps`: overlapped scheduling on, one rank, no images)."""
         self.proposer = proposer
+        self.overlap = overlap
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
         self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
@@ -128,6 +130,19 @@ class Speculator:
         with room for at least one draft."""
         known = len(sequence.token_ids) + sequence.pending_tokens
         return not sequence.finished and sequence.num_computed == known - 1 and known + 1 < sequence.max_total_tokens
+
+    def begin(self, running: list["Sequence"], waiting: Iterable["Sequence"], structured: Container[str]
+              ) -> tuple[dict[str, int] | None, bool]:
+        """An engine step begins: the K policy puts each decode-ready request's drafts in it (:meth:`plan`: each
+        drafting request's K, by request id) and says whether that verify step is read at once (not
+        :meth:`overlaps`). None for the K's while the policy rests (:meth:`resting`: a plain step, not timed, with
+        no :meth:`end_step`); none drafting (empty): a plain step, which costs what a step without speculation
+        costs. ``structured``: the ids of the requests with a grammar."""
+        if self.resting(len(running)):
+            return None, False
+        ks = self.plan(running)
+        self.start_step(bool(ks))
+        return ks, bool(ks) and not self.overlaps(ks, running, waiting, structured)
 
     def plan(self, running: list["Sequence"]) -> dict[str, int]:
         """This step's K of each decode-ready request that drafts (:mod:`.adaptive`), by request id; empty when
@@ -167,6 +182,48 @@ class Speculator:
         self._rested.steps += 1
         return True
 
+    def overlaps(self, ks: dict[str, int], running: list["Sequence"], waiting: Iterable["Sequence"],
+                 structured: Container[str]) -> bool:
+        """Whether this verify step (``ks``: each drafting request's K) may be launched before the step in flight is
+        read: the fallbacks, in one place. Each is a case where the next step's rows could not be planned without
+        the host knowing how many drafts the step in flight accepted, where its drafts would be guessed too blindly,
+        or whose correction on the device this engine does not make:
+
+        - a drafting request whose drafts the step in flight verifies: drafted past them, its drafts would assume
+          every one kept and the token after them guessed, and each step's drafts would build on the last one's
+          assumption, so that once one failed hardly any would be accepted (the figures are in
+          ``docs/speculative.md``). Past a plain step's token only that token is guessed (a request's first verify
+          step, one after K = 0);
+        - the engine's own (``overlap`` false): no overlapped scheduling (``async_scheduling: false``: nothing is
+          left in flight anyway), tensor parallelism (the other ranks would need the correction too), a
+          vision-language model (image rows and multimodal rotary positions are placed on the host);
+        - a proposer that reads the target's hidden states (MTP, EAGLE-3): it drafts from the rows just read;
+        - a running or waiting request with a grammar (``structured``: its masks need its tokens on the host),
+          recording its expert routing (recorded per verified position), or asking for prompt log probs (score
+          rows).
+
+        A preemption in the step needs no fallback: the preempted request loses its new drafts, and the step in
+        flight's tokens are appended to it when read, its KV recomputed later like any preempted request's.
+        """
+        if any(s.drafts_in_flight for s in running if s.request_id in ks):
+            return False
+        if not self.overlap or self.proposer.reads_hidden_states:
+            return False
+        return not any(s.request_id in structured or s.routing is not None or s.prompt_scores_missing
+                       for queue in (running, waiting) for s in queue)
+
+    def launched(self, batch: "ScheduledBatch | None", launched: InFlightStep, previous: InFlightStep | None,
+                 drafting: bool) -> None:
+        """A step was launched (``previous``: the step in flight before it, if any; ``drafting``: some request
+        drafts in it): a proposer that reads the target's hidden states files its rows, and an all-decode plain
+        step launched after a plain one is timed for the K policy (after a verify step it also reads that one)."""
+        self.observe(launched.entries, launched.starts)
+        if launched.drafts is not None and previous is not None:
+            self.overlapped_verify_steps += 1
+        elif (not drafting and previous is not None and previous.drafts is None and batch is not None
+              and batch.num_tokens == len(batch.entries)):
+            self.time_step(len(batch.entries), 0)
+
     def wake(self) -> None:
         """The steps skipped so far (:meth:`resting`) are reported: to the policy, as the declines and the plain
         sample they are, and to the counters, as rows that could speculate."""
@@ -179,13 +236,13 @@ class Speculator:
             self.policy.step_cost(rested.rows, 0, (self._clock() - rested.started) / rested.steps)
 
     def propose(self, running: list["Sequence"], ks: dict[str, int],
-                allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
+                allowed: Callable[[str, list[int], frozenset[int]], int] | None = None) -> None:
         """Ask the proposer for the drafts of each running request that :meth:`plan` gave a K (and still may
         speculate), and append them to its tokens (``num_drafts``). A request whose last token the step in flight
         samples (a verify step's: after its drafts, taken as accepted) asks for ``K + 1`` guesses from the tokens
         the host has: the first stands for the token in flight, the others are the drafts, verified at their true
         positions whatever that token turns out to be (a wrong guess is only rejected). ``allowed``:
-        how many of a request's drafts its grammar accepts in a row
+        how many of a request's drafts (by its id, the drafts and its stop tokens) its grammar accepts in a row
         (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
         candidates = [s for s in running if s.request_id in ks and self.may_speculate(s)]
         if not candidates:
@@ -196,7 +253,7 @@ class Speculator:
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[sequence.pending_tokens : item.num_tokens])
             if allowed is not None and drafts:
-                del drafts[allowed(sequence, drafts):]
+                del drafts[allowed(sequence.request_id, drafts, sequence.stop_token_ids):]
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
             self.policy.proposed(sequence.request_id, len(drafts))

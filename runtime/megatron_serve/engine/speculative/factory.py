@@ -1,4 +1,5 @@
-"""The proposer a :class:`~megatron_serve.config.SpeculativeConfig` names, built once per engine."""
+"""The proposer a :class:`~megatron_serve.config.SpeculativeConfig` names, and the engine's speculator over it, built
+once per engine."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...config import InferenceConfig
+from .decoder import Speculator
 from .ngram import NgramProposer
 from .proposer import Proposer
 
 if TYPE_CHECKING:
     from ...model.llama import LlamaForCausalLM
+    from ...wire.engine_stats import EngineStats
 
 
 class SpeculativeConfigError(ValueError):
@@ -48,3 +51,16 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None,
         assert spec.model is not None  # SpeculativeConfig requires it for eagle3
         return Eagle3Proposer(target, spec.model, config)
     raise SpeculativeConfigError(f"speculative_config.method {spec.method!r} is not implemented yet")
+
+
+def make_speculator(config: InferenceConfig, model: "LlamaForCausalLM", stats: "EngineStats",
+                    model_dir: str | Path | None = None) -> Speculator | None:
+    """The engine's speculator (None without ``config.speculative``): its proposer (:func:`make_proposer`), timed
+    by the clock of the model's device, and whether the engine may overlap its verify steps at all (overlapped
+    scheduling, one rank, no images: :meth:`~.decoder.Speculator.overlaps`)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    overlap = config.async_scheduling and config.tensor_parallel_size == 1 and model.config.vision is None
+    return Speculator(make_proposer(config, model_dir, model), spec.num_speculative_tokens, stats, spec.adaptive,
+                      cpu=next(model.parameters()).device.type == "cpu", overlap=overlap)
