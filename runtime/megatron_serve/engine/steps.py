@@ -1,6 +1,7 @@
 """What a step is, between the engine's calls: a launched step whose results are still on the device
-(:class:`InFlightStep`, what ``finish`` reads) and what a step did for one request (:class:`StepOutput`, what
-``step()`` hands out: one per request, as an engine process sends a step)."""
+(:class:`InFlightStep`, what ``finish`` reads; a verify step's draws too, :class:`Verification`), one request's rows
+of it as read (:class:`Emitted`) and what a step did for one request (:class:`StepOutput`, what ``step()`` hands
+out: one per request, as an engine process sends a step)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from .sequence import Sequence
 
 if TYPE_CHECKING:
     from .expert_api import Public
-    from .speculative.decoder import Verification
 
 
 @dataclass
@@ -72,6 +72,16 @@ class StepOutput:
 
 
 @dataclass
+class Verification:
+    """A verify step's draws launched on the device, not read yet (the speculator's ``launch_verify``): what the
+    plan of the step after it reads (``shifts``) before the host reads the draws."""
+
+    sample: DeviceSample  # every depth's drawn token, request by request, depth by depth
+    drafts: list[list[int]]  # each sampling request's drafts
+    shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
+
+
+@dataclass
 class InFlightStep:
     """A launched step whose results are still on the device: what ``finish`` needs to read them."""
 
@@ -88,7 +98,7 @@ class InFlightStep:
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
     verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
     drafts: list[int] | None = None  # a verify step's drafts per sampling row
-    verification: "Verification | None" = None  # an overlapped verify step's draws and accepted counts, on the device
+    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
     emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
 
 

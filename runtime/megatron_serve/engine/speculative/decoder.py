@@ -61,12 +61,12 @@ import torch
 
 from ..logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
-from ..steps import Emitted, InFlightStep
+from ..steps import Emitted, InFlightStep, Verification
 from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
-    from ..sampler import DeviceSample, Sampler
+    from ..sampler import Sampler
     from ..sampling_state import SamplingState, StepRows
     from ..scheduler import ScheduledBatch
     from ..sequence import Sequence
@@ -79,15 +79,6 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass
-class Verification:
-    """A verify step's draws launched on the device, not read yet (:meth:`Speculator.launch_verify`)."""
-
-    sample: "DeviceSample"  # every depth's drawn token, request by request, depth by depth
-    drafts: list[list[int]]  # each sampling request's drafts
-    shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
 
 
 @dataclass
