@@ -24,7 +24,7 @@ VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serv
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
 CONTAINER_TOOL ?= $(shell docker info >/dev/null 2>&1 && echo docker || command -v podman 2>/dev/null)
 
-.PHONY: setup run test test-fast docs image clean
+.PHONY: setup verl-env run test test-fast docs image clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,24 @@ $(TESTING): $(RUNTIME)
 	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL) $(LM_EVAL)
 	touch $(TESTING)
 
-setup: $(TESTING)
+# verl's side of tests/integrations/test_verl.py, in a venv of its own: verl 0.9.1 needs transformers<5.11 and Ray,
+# and the main venv's transformers is newer. uv (a test extra) builds it; it reads no pip configuration, so pip's
+# find-links (where a machine keeps a local torch build) are passed on. torch first and pinned, as above, then verl,
+# its needs and this project (editable: its verl.plugins entry point registers the backend).
+VERL_VENV := .venv-verl
+VERL := verl==0.9.1
+VERL_INSTALLED := $(VERL_VENV)/.installed
+UV_PIP = $(VENV)/bin/uv pip install -q --python $(VERL_VENV)/bin/python \
+	$(foreach link,$(PIP_FIND_LINKS) $(shell $(PIP) config get global.find-links 2>/dev/null),--find-links $(link))
+$(VERL_INSTALLED): $(TESTING)
+	$(VENV)/bin/uv venv -q --allow-existing --python $(PY) $(VERL_VENV)
+	$(UV_PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(UV_PIP) $(TORCH) $(VERL) 'transformers<5.11' 'ray[default]' -e .
+	touch $(VERL_INSTALLED)
+
+verl-env: $(VERL_INSTALLED)
+
+setup: $(TESTING) $(VERL_INSTALLED)
 
 # `make-tiny-model` (a random model of any shape) is what the tests that need one make.
 run: $(RUNTIME)
@@ -84,4 +101,4 @@ image:
 		-t $(IMAGE):$(VERSION) .
 
 clean:
-	rm -rf $(VENV) .models build dist site *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) .models build dist site *.egg-info

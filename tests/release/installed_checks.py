@@ -21,9 +21,11 @@ from pathlib import Path
 PACKAGES = ("megatron_serve", "megatron_kernels", "megatron_operator")
 
 TRAINER_LIBRARIES = {"megatron_kernels.invariant_megatron_core": "megatron",
-                     "megatron_kernels.invariant_torchtitan": "torchtitan"}
-"""The batch-invariant recipes for a trainer's own library (Megatron-core, TorchTitan): importable where the trainer
-has that library, which neither distribution installs; only its absence is let pass."""
+                     "megatron_kernels.invariant_torchtitan": "torchtitan",
+                     "megatron_serve.integrations.verl": "verl"}
+"""The batch-invariant recipes for a trainer's own library (Megatron-core, TorchTitan) and the verl backend (a
+package: its modules go with it): importable where the trainer has that library, which neither distribution
+installs; only its absence is let pass."""
 
 
 def imports() -> dict[str, object]:
