@@ -382,13 +382,13 @@ class Bench:
         return frame, ending
 
     def _record(self) -> msgspec.Raw:
-        """A finished request's record as an engine sends it (``FinalRecord``: the prompt, events, times)."""
+        """A finished request's record as an engine sends it (``FinalRecord``: its status, events and times)."""
 
         now = time.time()
         events = [RequestEvent(EventType.ADD, now - 1), RequestEvent(EventType.PREFILL, now - 0.95),
                   RequestEvent(EventType.FIRST_TOKEN, now - 0.9), RequestEvent(EventType.FINISH, now)]
         return msgspec.Raw(msgspec.msgpack.encode(FinalRecord(
-            request_id=_ENGINE_REQUEST_ID, prompt_tokens=self.prompts[0], status=RequestStatus.COMPLETED,
+            request_id=_ENGINE_REQUEST_ID, status=RequestStatus.COMPLETED,
             finish_reason=FinishReason.LENGTH, arrival_time=now - 1, first_token_time=now - 0.9, finish_time=now,
             events=events)))
 

@@ -15,7 +15,7 @@ import pytest
 from megatron_serve.wire.expert_routing import routing_to_wire
 from megatron_serve.wire.messages import PromptScores, RoutingRows, TokenDelta
 from megatron_serve.client.output_processor import NoTokenizer, OutputCollector, check_params
-from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from megatron_serve.wire.request import FinalRecord, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .test_detokenizer import byte_level_tokenizer
@@ -99,7 +99,7 @@ def test_pieces_add_up_to_the_text_whatever_the_deltas_and_a_continuation_goes_o
             streamed, _ = run(collector, deltas(tokens, sizes))
             tail = collector.tail()
             streamed += tail.new_text if tail is not None else ""
-            final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+            final = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED))
             assert streamed == final.generated_text == expected, (trial, sizes)
             assert final.generated_tokens == tokens and len(final.routing_indices) == len(PROMPT) + len(tokens) - 1
 
@@ -114,10 +114,11 @@ def test_the_final_record_is_completed_with_what_the_deltas_carried(tokenizer):
     collector.add(first)
     for delta in rest:
         collector.add(delta)
-    record = DynamicInferenceRequest("c1/mine", "a text prompt", PROMPT, status=RequestStatus.COMPLETED,
-                                     finish_reason=FinishReason.LENGTH, cached_tokens=2)
+    record = FinalRecord(request_id="c1/mine", status=RequestStatus.COMPLETED, finish_reason=FinishReason.LENGTH,
+                         cached_tokens=2)  # how it went, and nothing this side has: not its prompt, nor its tokens
     final = collector.finish(record)
     assert final.request_id == "mine" and final.generated_text == "hello there" and final.generated_tokens == tokens
+    assert final.prompt == "a text prompt" and final.prompt_tokens == PROMPT and final.sampling_params is params
     assert final.prompt_log_probs == [-1.0, -2.0] and final.prompt_top_n_logprobs == [{4: -0.5}, {5: -0.7}]
     assert final.finish_reason is FinishReason.LENGTH and final.cached_tokens == 2
 
@@ -128,7 +129,7 @@ def test_without_a_tokenizer_text_stays_empty_and_stop_strings_are_refused():
         check_params(SamplingParams(stop_words=["x"]), None)
     collector = OutputCollector("r", PROMPT, SamplingParams(), None)
     assert collector.add(TokenDelta(new_tokens=[7, 8])).new_text == ""
-    final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+    final = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED))
     assert final.generated_tokens == [7, 8] and final.generated_text == ""
 
 
@@ -168,7 +169,7 @@ def test_pieces_list_each_token_once_its_text_is_sent_and_add_up_to_the_final_te
                 sent += tail.new_text
                 texts += tail.token_texts
                 take(tail)
-            final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+            final = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED))
         else:
             final = collector.finish_stopped()
         if not logprobs:
@@ -198,8 +199,8 @@ def test_the_stop_token_is_in_the_ids_and_its_log_probs_not_in_the_text(tokenize
         streamed, streamed_tokens = run(collector, items)
         tail = collector.tail()
         streamed += tail.new_text if tail is not None else ""
-        final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED,
-                                                         finish_reason=FinishReason.STOP))
+        final = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED,
+                                             finish_reason=FinishReason.STOP))
         assert final.generated_tokens == streamed_tokens == tokens and collector.out.stop_token is flagged
         assert streamed == final.generated_text == expected, (include, flagged)
         assert len(final.generated_log_probs) == len(final.generated_token_texts) == len(tokens)

@@ -13,10 +13,14 @@ import asyncio
 import gc
 import traceback
 
+import msgspec
+
 from megatron_serve.client.output_processor import OutputCollector
-from megatron_serve.client.pending_requests import PendingRequest
+from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
 from megatron_serve.client.streams import iterate_stream
 from megatron_serve.wire.connection import CoordinatorLost
+from megatron_serve.wire.deltas import TokenDelta
+from megatron_serve.wire.request import FinalRecord, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 
@@ -70,3 +74,25 @@ def test_one_error_ending_many_streams_gives_each_its_own_traceback():
 
     found = asyncio.run(depths())
     assert len(set(found)) == 1, found  # without a fresh traceback per raise: 2, 4, 6, 8 frames
+
+
+def test_a_final_record_builds_the_result_once_and_one_that_does_not_parse_fails_its_request_alone():
+    """The record says how the request went; the prompt and tokens are this side's. A record that does not parse
+    fails its request saying why (the others go on), with what this side has of it."""
+    loop = asyncio.new_event_loop()
+    try:
+        requests = PendingRequests()
+        good, bad = _pending(loop, stream=False), _pending(loop, stream=False)
+        bad.request_id = "s"
+        requests.add(good)
+        requests.add(bad)
+        good.collector.add(TokenDelta(new_tokens=[7, 8]))
+        record = FinalRecord(request_id="c/r", status=RequestStatus.COMPLETED, finish_reason=FinishReason.LENGTH)
+        done = requests.on_final("r", msgspec.Raw(msgspec.msgpack.encode(record)))
+        assert done is good.future.result() and done.status is RequestStatus.COMPLETED and done.request_id == "r"
+        assert (done.prompt_tokens, done.generated_tokens, done.finish_reason) == ([1, 2, 3], [7, 8], "length")
+        failed = requests.on_final("s", msgspec.Raw(msgspec.msgpack.encode({"status": "DONE"})))
+        assert failed is bad.future.result() and failed.status is RequestStatus.FAILED and failed.prompt_tokens == [1, 2, 3]
+        assert failed.error.startswith("unreadable result from the coordinator: ") and len(requests) == 0
+    finally:
+        loop.close()

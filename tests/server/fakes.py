@@ -88,7 +88,7 @@ class FakeBackend:
             rest = collector.tail()
             if rest is not None:
                 yield rest
-            yield collector.finish(request)
+            yield collector.finish(request.final_record())
         finally:
             self.running.discard(request_id)
 

@@ -181,7 +181,7 @@ class EngineThread:
 
     def _deliver(self, items: list[RequestDeltaOut | tuple[str, BaseException | list[int]]]) -> None:
         """Outputs for requests of this loop, in order (on the loop): deltas, failures, the token ids of
-        a text prompt (which a stop string's record of the request needs)."""
+        a prompt made here (a text's, images' placeholders expanded: the finished request's ``prompt_tokens``)."""
         for item in items:
             if isinstance(item, tuple):
                 request_id, value = item
@@ -302,7 +302,7 @@ class EngineThread:
             if over is not None:  # as a coordinator refuses it (vLLM raises ValueError for a request it cannot take)
                 told.append((request_id, ValueError(over)))
                 continue
-            if text is not None:
+            if text is not None or images:  # ids the caller lacks (a text's, images' placeholders expanded)
                 told.append((request_id, list(tokens)))
             self.engine.add_request(EngineRequest(
                 request_id=request_id, prompt_tokens=tokens, sampling_params=params, arrival_time=time.time(),

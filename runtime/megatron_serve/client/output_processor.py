@@ -5,9 +5,9 @@ makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's a
 ``MegatronLLM``'s :class:`~megatron_serve.client.coordinator_client.InferenceClient`, and in direct mode the caller's
 event loop (:mod:`megatron_serve.client.local_engine`), never the engine's step thread. One
 :class:`OutputCollector` per request accumulates what the deltas carry (tokens, log probs, epochs,
-expert rows, prompt scores) and the text; the final record from the engine or coordinator carries
-only the rest (``wire.request.FinalRecord``), and :meth:`OutputCollector.finish`
-completes it.
+expert rows, prompt scores) and the text; the final record from the engine or coordinator says only how the
+request went (``wire.request.FinalRecord``), and :meth:`OutputCollector.finish` builds the public result once,
+from that and what this side has (the prompt it sent, the deltas, the text).
 
 Stop strings are found here, token by token: when one appears the request ends at the token that
 completed it (:meth:`OutputCollector.finish_stopped`, ``finish_reason`` ``stop``), whoever holds
@@ -27,7 +27,8 @@ from .detokenizer import IncrementalDetokenizer
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.deltas import TokenDelta
 from .outputs import StreamPartial
-from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
+from ..wire.request import (DynamicInferenceRequest, EventType, FinalRecord, FinishReason, RequestEvent,
+                            RequestStatus)
 from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -174,48 +175,42 @@ class OutputCollector:
         self._list(piece, final=True)
         return piece if text or piece.token_texts else None
 
-    def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
-        """The final record from where the request ran, completed with what the deltas carried (and the text
-        of a prompt this process tokenized: the fleet only saw its ids)."""
-        record.request_id = self.request_id
-        if record.prompt is None and isinstance(self.prompt, str):
-            record.prompt = self.prompt
-        self._fill(record)
-        return record
+    def finish(self, final: FinalRecord) -> DynamicInferenceRequest:
+        """The finished request, built once: how it went as its final record says (where it ran), and what it asked
+        and what came out as this side has it (the prompt it sent, its text and token ids; what the deltas
+        carried)."""
+        out = self.out
+        request = DynamicInferenceRequest(
+            request_id=self.request_id, prompt=self.prompt if isinstance(self.prompt, str) else None,
+            prompt_tokens=list(self.prompt_tokens or []), sampling_params=self.params, generated_tokens=out.tokens,
+            generated_text=self.text, generated_log_probs=out.log_probs,
+            generated_top_n_logprobs=_top_maps(out.top_ids, out.top_log_probs), policy_epochs=out.policy_epochs,
+            kv_epochs=out.kv_epochs, lora_epochs=out.lora_epochs, cached_tokens=final.cached_tokens,
+            status=final.status, finish_reason=final.finish_reason, error=final.error, events=list(final.events),
+            arrival_time=time.time() if final.arrival_time is None else final.arrival_time,
+            first_token_time=final.first_token_time, finish_time=final.finish_time)
+        detokenizer = self.detokenizer
+        if detokenizer is not None and detokenizer.ends is not None:
+            request.generated_token_texts = detokenizer.texts(self.text, 0, len(detokenizer.ends), final=True)
+        scores = out.prompt_scores
+        if scores is not None and scores.log_probs:
+            request.prompt_log_probs = list(scores.log_probs)
+            if scores.top_ids is not None and scores.top_log_probs is not None:
+                request.prompt_top_n_logprobs = _top_maps(scores.top_ids, scores.top_log_probs)
+        if out.routing is not None:
+            rows = out.routing.array()
+            request.routing_indices = rows[: len(request.prompt_tokens) + len(self.tokens)] if request.prompt_tokens \
+                else rows
+        return request
 
     def finish_stopped(self) -> DynamicInferenceRequest:
         """The record of a request a stop string ended here (its engine may still run it: abort it)."""
         now = time.time()
-        record = DynamicInferenceRequest(
-            request_id=self.request_id, prompt=self.prompt if isinstance(self.prompt, str) else None,
-            prompt_tokens=list(self.prompt_tokens or []), sampling_params=self.params,
-            status=RequestStatus.COMPLETED, finish_reason=FinishReason.STOP, arrival_time=self.arrival_time,
-            first_token_time=self.first_token_time, finish_time=now, cached_tokens=self.out.cached_tokens or 0,
-            events=[RequestEvent(EventType.ADD, self.arrival_time)])
+        events = [RequestEvent(EventType.ADD, self.arrival_time)]
         if self.first_token_time is not None:
-            record.events.append(RequestEvent(EventType.FIRST_TOKEN, self.first_token_time))
-        record.events.append(RequestEvent(EventType.FINISH, now, "stop string"))
-        self._fill(record)
-        return record
-
-    def _fill(self, record: DynamicInferenceRequest) -> None:
-        out = self.out
-        record.generated_tokens = out.tokens
-        record.generated_text = self.text
-        detokenizer = self.detokenizer
-        if detokenizer is not None and detokenizer.ends is not None:
-            record.generated_token_texts = detokenizer.texts(self.text, 0, len(detokenizer.ends), final=True)
-        record.generated_log_probs = out.log_probs
-        record.generated_top_n_logprobs = _top_maps(out.top_ids, out.top_log_probs)
-        record.policy_epochs = out.policy_epochs
-        record.kv_epochs = out.kv_epochs
-        record.lora_epochs = out.lora_epochs
-        scores = out.prompt_scores
-        if scores is not None and scores.log_probs:
-            record.prompt_log_probs = list(scores.log_probs)
-            if scores.top_ids is not None and scores.top_log_probs is not None:
-                record.prompt_top_n_logprobs = _top_maps(scores.top_ids, scores.top_log_probs)
-        if out.routing is not None:
-            rows = out.routing.array()
-            record.routing_indices = rows[: len(record.prompt_tokens) + len(self.tokens)] if record.prompt_tokens \
-                else rows
+            events.append(RequestEvent(EventType.FIRST_TOKEN, self.first_token_time))
+        events.append(RequestEvent(EventType.FINISH, now, "stop string"))
+        return self.finish(FinalRecord(
+            request_id=self.request_id, status=RequestStatus.COMPLETED, finish_reason=FinishReason.STOP,
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=now,
+            cached_tokens=self.out.cached_tokens or 0, events=events))

@@ -44,10 +44,3 @@ class StreamPartial:
 
 #: One item of a stream.
 StreamItem = StreamPartial | DynamicInferenceRequest
-
-
-def unreadable_result(request_id: str, problem: Exception) -> DynamicInferenceRequest:
-    """A result record that does not parse: the request fails, saying why (nothing is lost silently)."""
-    request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=[])
-    request.fail(f"unreadable result from the coordinator: {problem}")
-    return request

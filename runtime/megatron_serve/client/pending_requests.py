@@ -5,7 +5,7 @@ Both engine clients keep them: :class:`~megatron_serve.client.coordinator_client
 :mod:`megatron_serve.client.local_engine` (the engine thread hands it each step's deltas). Each pending
 request holds its :class:`~megatron_serve.client.output_processor.OutputCollector`: deltas become stream
 pieces and text here, a stop string ends the request here (the caller then aborts it where it
-runs), and the final record is completed with what the deltas carried. A request is resolved
+runs), and the final record (how it went) becomes the public result there, built once. A request is resolved
 exactly once: whatever arrives for it afterwards (the result of a request a stop string ended, a
 duplicate after a reconnect) finds nothing pending and is dropped.
 """
@@ -21,7 +21,6 @@ import msgspec
 from ..wire.deltas import TokenDelta, delta_past
 from ..wire.placement import Placement
 from .output_processor import OutputCollector
-from .outputs import unreadable_result
 from ..wire.request import DynamicInferenceRequest, FinalRecord
 from ..wire.sampling_params import SamplingParams
 
@@ -123,7 +122,7 @@ class PendingRequests:
 
     def on_final(self, request_id: Any, record: FinalRecord | msgspec.Raw | None) -> DynamicInferenceRequest | None:
         """The final record (its bytes from a coordinator, decoded here where it enters; the struct itself in
-        direct mode); the finished request, if it was pending."""
+        direct mode); the finished request, if it was pending, built once by its collector."""
         pending = self._by_id.pop(str(request_id), None)
         if pending is None:
             return None
@@ -131,11 +130,9 @@ class PendingRequests:
             final = _FINAL_RECORD.decode(record) if isinstance(record, msgspec.Raw) else record
             if not isinstance(final, FinalRecord):
                 raise ValueError("the request finished without a final record")
-            # its sampling parameters are the ones this side sent
-            request = DynamicInferenceRequest.from_final(final, pending.sampling_params)
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            request = unreadable_result(pending.request_id, exc)
-        request = pending.collector.finish(request)
+            final = FinalRecord(request_id=pending.request_id).failed(f"unreadable result from the coordinator: {exc}")
+        request = pending.collector.finish(final)
         pending.resolve(request)
         return request
 

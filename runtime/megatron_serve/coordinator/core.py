@@ -386,9 +386,8 @@ class CoordinatorCore:
         has what an engine's final one has (the client got the tokens in ``STEP_TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
         self._finish(record, FinalRecord(
-            request_id=record.request_id, prompt_tokens=record.prompt_tokens,
-            status=RequestStatus(status), finish_reason=FinishReason(finish_reason), error=error,
-            events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
+            request_id=record.request_id, status=RequestStatus(status), finish_reason=FinishReason(finish_reason),
+            error=error, events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
             cached_tokens=record.cached_tokens or 0))
 
     def _finish(self, record: RequestRecord, final: FinalRecord) -> None:

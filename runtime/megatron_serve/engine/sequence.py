@@ -134,8 +134,9 @@ class Sequence:
         fail_timeline(self, message, reason)
 
     def final_record(self) -> FinalRecord:
-        """Its record as it leaves the engine, without what travelled in its outputs (the receiver has it)."""
-        return FinalRecord(request_id=self.request_id, prompt_tokens=self.prompt_tokens,
-                           cached_tokens=self.cached_tokens, status=self.status, finish_reason=self.finish_reason,
-                           error=self.error, events=list(self.events), arrival_time=self.arrival_time,
-                           first_token_time=self.first_token_time, finish_time=self.finish_time)
+        """Its record as it leaves the engine, without what travelled in its outputs or its prompt (the receiver
+        has them)."""
+        return FinalRecord(request_id=self.request_id, cached_tokens=self.cached_tokens, status=self.status,
+                           finish_reason=self.finish_reason, error=self.error, events=list(self.events),
+                           arrival_time=self.arrival_time, first_token_time=self.first_token_time,
+                           finish_time=self.finish_time)

@@ -5,8 +5,8 @@ output collector from the deltas and the final record (``client.output_processor
 API that drives an engine directly, by the engine's one adapter (``engine.expert_api``). What travels is typed
 (msgspec, checked where it is decoded): :class:`EngineRequest` to an engine (``ENGINE_SUBMIT``: what was asked,
 and the tokens a continuation starts from; an engine builds its own state from it), and :class:`FinalRecord`
-back (the finished record without what travelled step by step in the deltas, ``wire.deltas.RequestDelta``).
-Both encode as the maps the hand-written ``to_dict``/``from_dict`` codec wrote before them, key for key.
+back (how the request went: neither what travelled step by step in the deltas, ``wire.deltas.RequestDelta``, nor
+the prompt its receiver sent).
 """
 
 from __future__ import annotations
@@ -117,13 +117,12 @@ class EngineRequestOut(EngineRequest, frozen=True, kw_only=True, omit_defaults=T
 
 
 class FinalRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A finished request's record without what travelled step by step with the tokens (the generated
-    tokens, their log probs, epochs and expert rows, the prompt scores): a receiver that accumulated the
-    steps (:mod:`megatron_serve.client.output_processor`) completes it."""
+    """How a finished request went, and nothing its receiver has: not what travelled step by step with the
+    tokens (the generated tokens, their log probs, epochs and expert rows, the prompt scores), which the receiver
+    accumulated, nor the prompt, which it sent. The receiver builds the public result once, from its own and this
+    (:meth:`megatron_serve.client.output_processor.OutputCollector.finish`); a coordinator forwards it as it came."""
 
     request_id: str
-    prompt: str | None = None
-    prompt_tokens: list[int] = msgspec.field(default_factory=list)
     cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING_IN_QUEUE
     finish_reason: FinishReason | None = None
@@ -233,20 +232,8 @@ class DynamicInferenceRequest:
         fail_timeline(self, message, reason)
 
     def final_record(self) -> FinalRecord:
-        """The finished record, without what travelled in the deltas (the receiver has it)."""
+        """How it went, as an engine's final record says it (a stand-in engine that keeps public records sends this)."""
         return FinalRecord(
-            request_id=self.request_id, prompt=self.prompt, prompt_tokens=list(self.prompt_tokens),
-            cached_tokens=self.cached_tokens, status=self.status, finish_reason=self.finish_reason,
-            error=self.error, events=list(self.events), arrival_time=self.arrival_time,
-            first_token_time=self.first_token_time, finish_time=self.finish_time)
-
-    @classmethod
-    def from_final(cls, record: FinalRecord, sampling_params: SamplingParams) -> "DynamicInferenceRequest":
-        """A finished request from its final record and the sampling parameters its caller sent (the
-        generated fields are the caller's accumulator's to fill)."""
-        return cls(
-            request_id=record.request_id, prompt=record.prompt, prompt_tokens=list(record.prompt_tokens),
-            sampling_params=sampling_params, cached_tokens=record.cached_tokens, status=record.status,
-            finish_reason=record.finish_reason, error=record.error, events=list(record.events),
-            arrival_time=time.time() if record.arrival_time is None else record.arrival_time,
-            first_token_time=record.first_token_time, finish_time=record.finish_time)
+            request_id=self.request_id, cached_tokens=self.cached_tokens, status=self.status,
+            finish_reason=self.finish_reason, error=self.error, events=list(self.events),
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=self.finish_time)

@@ -121,7 +121,7 @@ class ControlledFleet:
         rest = request.collector.tail()
         if rest is not None:
             request.queue.put_nowait(rest)
-        request.queue.put_nowait(request.collector.finish(request.record))
+        request.queue.put_nowait(request.collector.finish(request.record.final_record()))
 
     def add_request(self, prompt: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
                     images: list[Any] | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
