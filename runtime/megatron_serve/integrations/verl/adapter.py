@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from typing import Any, AsyncIterator, Iterator, Optional
 
 import httpx
@@ -23,6 +22,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from ...client.trainer_group import trainer_init, trainer_send_weights
 from .replica import SERVER_NAME
+from .server import free_port
 
 #: The address the server joins the adapter's group at: the leader worker runs on the server's node.
 LOCAL = "127.0.0.1"
@@ -47,9 +47,7 @@ class ServerAdapter(BaseRollout):
         server = ray.get_actor(SERVER_NAME.format(self.replica_rank))
         url, admin_key = await server.get_admin.remote()
         self.http = httpx.AsyncClient(base_url=url, timeout=None, headers={"Authorization": f"Bearer {admin_key}"})
-        with socket.socket() as probe:
-            probe.bind((LOCAL, 0))
-            port = probe.getsockname()[1]
+        port = free_port(LOCAL)
         init = {"master_address": LOCAL, "master_port": port, "rank_offset": 1, "world_size": 2, "packed": True}
         joined = asyncio.create_task(self._post("/init_weight_transfer_engine", {"init_info": init}))
         self.group = await asyncio.to_thread(trainer_init, LOCAL, port, 2)

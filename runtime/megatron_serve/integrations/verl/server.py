@@ -28,6 +28,7 @@ import httpx
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from ...fleet.lifeline import Lifeline
+from ...server.admin import ADMIN_KEY_ENV
 
 #: verl's ``stop_reason`` for each finish reason of ``/inference/v1/generate`` (vLLM's mapping).
 STOP_REASONS = {"stop": "completed", "length": "completed", "abort": "aborted"}
@@ -58,9 +59,10 @@ class ServerSettings:
                    startup_timeout=float(given.get("startup_timeout", 300.0)))
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the server's, and the weight group's store)."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 
@@ -80,31 +82,29 @@ class MegatronServeServer:
         self.log: Optional[Path] = None
         self.http: Optional[httpx.AsyncClient] = None
 
-    def _command(self, port: int, key_file: Path) -> list[str]:
+    def _command(self, port: int, log_dir: Path) -> list[str]:
         """``megatron-serve run`` of the model: the replica's tensor- and data-parallel sizes, verl's context length
-        (prompt + response, or ``max_model_len``), the admin key and the gloo weight transfer."""
+        (prompt + response, or ``max_model_len``) and the gloo weight transfer; its logs in ``log_dir``."""
         max_len = self.config.max_model_len or self.config.prompt_length + self.config.response_length
         return [str(Path(sys.executable).with_name("megatron-serve")), "run", "--model", str(self.model_path),
                 "--port", str(port), "--coordinator-port", "0", "--engines", str(self.config.data_parallel_size),
                 "--tensor-parallel", str(self.config.tensor_model_parallel_size), "--max-model-len", str(max_len),
-                "--admin-key-file", str(key_file), "--weight-transfer-config", json.dumps({"backend": "gloo"}),
+                "--log-dir", str(log_dir), "--weight-transfer-config", json.dumps({"backend": "gloo"}),
                 *self.settings.args]
 
     async def launch_server(self) -> None:
-        """Start the server (unless attached to one) and wait until it answers ``/ready``."""
+        """Start the server (unless attached to one) and wait until it answers ``/ready``. The admin key reaches it
+        in its environment (nothing on disk or in ``ps``); its output and logs stay in a temporary directory."""
         if self.url is None:
-            work = Path(tempfile.mkdtemp(prefix=f"megatron-serve-verl-{self.replica_rank}-"))
-            key_file = work / "admin-key"
-            key_file.write_text(self.admin_key + "\n")
-            key_file.chmod(0o600)
-            port = _free_port()
+            logs = Path(tempfile.mkdtemp(prefix=f"megatron-serve-verl-{self.replica_rank}-"))
+            port = free_port()
             self.url = f"http://127.0.0.1:{port}"
             self.lifeline = Lifeline()
-            self.log = work / "run.out"
+            self.log = logs / "run.out"
             with open(self.log, "wb") as out:
                 self.process = subprocess.Popen(
-                    [*self._command(port, key_file), "--log-dir", str(work)], stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env={**os.environ, **self.lifeline.env()},
+                    self._command(port, logs), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**os.environ, ADMIN_KEY_ENV: self.admin_key, **self.lifeline.env()},
                     pass_fds=self.lifeline.pass_fds())
         self.http = httpx.AsyncClient(base_url=self.url, timeout=None,
                                       headers={"Authorization": f"Bearer {self.admin_key}"})
