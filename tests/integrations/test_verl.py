@@ -3,8 +3,8 @@
 verl needs a venv of its own (transformers<5.11 and Ray; ``make verl-env`` builds ``.venv-verl``), so its side runs
 as ``verl_rollout.py`` under that venv's Python: the ``megatron_serve`` replica from verl's registry starts a
 ``megatron-serve run`` of model A, generates through the server handle verl's agent loop calls, takes model B's
-weights through verl's ``CheckpointEngineManager`` and the ``megatron_serve`` checkpoint engine, generates again,
-sleeps, wakes up and generates once more. The references come first: each checkpoint served plainly by this
+weights through verl's ``CheckpointEngineManager`` and the ``megatron_serve`` checkpoint engine, generates again
+(and so does a second replica attached to that server by URL), sleeps, wakes up and generates once more. The references come first: each checkpoint served plainly by this
 process (an in-process server, ``/inference/v1/generate``, the body the replica's actor sends).
 """
 
@@ -78,6 +78,11 @@ def test_a_weight_update_through_the_checkpoint_engine_serves_what_the_new_check
     assert [o["log_probs"] for o in rollout.after] == [o["log_probs"] for o in rollout.reference.b]
     assert {o["weight_version"] for o in rollout.after} == {"1"}  # one REFIT: the next epoch
     assert rollout.updates_left == []  # the trainer's rank 0 removed the update's file once verl finalized it
+
+
+def test_a_replica_attached_to_a_running_server_generates_through_it(rollout):
+    assert rollout.attached["address"] == rollout.address
+    assert rollout.attached["outputs"] == rollout.after
 
 
 def test_sleep_and_wake_up_keep_the_updated_weights(rollout):

@@ -2,11 +2,13 @@
 ``test_verl.py``: ``python verl_rollout.py MODEL_A MODEL_B PROMPTS_JSON WORK_DIR``; prints one JSON line.
 
 Nothing here imports megatron-serve's backend: verl loads it in every process through megatron-serve's
-``verl.plugins`` entry point. A local Ray (two CPUs), then, as verl's trainer does it: the replica class verl's registry names
+``verl.plugins`` entry point. A local Ray, then, as verl's trainer does it: the replica class verl's registry names
 ``megatron_serve`` (initialised colocated with a CPU pool, so that ``sleep`` and ``wake_up`` act), greedy
 generations through its server handle (the call verl's agent loop makes), a trainer worker group of verl's
 ``Worker`` holding model B's weights, verl's ``CheckpointEngineManager`` updating the replica with the
-``megatron_serve`` checkpoint engine, generations again, then ``sleep``, ``wake_up`` and generations once more.
+``megatron_serve`` checkpoint engine, generations again; a second replica, standalone, attached to that server
+by its URL and admin key, generates the same; then ``sleep``, ``wake_up`` and generations once more. Ray counts
+three CPUs: one for each replica's checkpoint worker and one for the trainer's.
 """
 
 from __future__ import annotations
@@ -78,16 +80,25 @@ async def main(model_a: str, model_b: str, prompts: list[list[int]], work: Path)
     manager = CheckpointEngineManager(config=engine, actor_wg=trainer, replicas=[replica])
     await manager.update_weights(global_steps=1)
     after = await generations(replica, prompts, "after")
+    url, admin_key = await replica.servers[0].get_admin.remote()
+    attached_config = RolloutConfig(name="megatron_serve", tensor_model_parallel_size=1, data_parallel_size=1,
+                                    prompt_length=64, response_length=8, checkpoint_engine=engine,
+                                    engine_kwargs={"megatron_serve": {"url": url, "admin_key": admin_key}})
+    attached = get_rollout_replica_class("megatron_serve")(replica_rank=1, config=attached_config,
+                                                           model_config=HFModelConfig(path=model_a), gpus_per_node=1)
+    await attached.init_standalone()
+    through_attached = await generations(attached, prompts, "attached")
     await replica.sleep()
     await replica.wake_up()
     woken = await generations(replica, prompts, "woken")
     return {"address": replica.server_address, "before": before, "after": after, "woken": woken,
+            "attached": {"address": attached.server_address, "outputs": through_attached},
             "updates_left": sorted(p.name for p in (work / "updates").iterdir())}
 
 
 if __name__ == "__main__":
     model_a, model_b, prompts_json, work_dir = sys.argv[1:5]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
         result = asyncio.run(main(model_a, model_b, json.loads(prompts_json), Path(work_dir)))
     finally:
