@@ -34,7 +34,11 @@ class FakeBackend:
         self.submitted: list[tuple[list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.running: set[str] = set()
+        self.connected = False  # a late status means unreachable (the coordinator client's is True while it hears)
         self._tasks: dict[str, asyncio.Task] = {}
+
+    async def start(self, timeout: float = 30.0) -> "FakeBackend":
+        return self
 
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
         if not self.reachable:
@@ -117,6 +121,22 @@ class FakeBackend:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def add_request_streaming_to(self, prompt: list[int], sampling_params: SamplingParams, sink: Any, *,
+                                 request_id: str, placement: Placement | None = None) -> str:
+        """Its stream's items put into ``sink`` as they come (a task of its own here: the real clients' receive
+        loops put them); an abort cancels the task."""
+        one_engine(placement)
+
+        async def pump() -> None:
+            try:
+                async for item in self.add_request_streaming(prompt, sampling_params, request_id=request_id):
+                    sink.put_nowait(item)
+            except Exception as exc:  # as the real clients deliver a request's failure: in its place
+                sink.put_nowait(exc)
+
+        self._tasks[request_id] = asyncio.ensure_future(pump())
+        return request_id
 
     def abort(self, request_id: str) -> None:
         if request_id not in self.aborted:  # like the real client: aborting twice is one abort

@@ -1,4 +1,5 @@
-"""The engine-client interface: what ``MegatronAsyncLLM`` and the HTTP server need from where requests run.
+"""The engine-client interface: what ``MegatronAsyncLLM`` needs from where requests run (the HTTP server reads the
+same clients through :class:`megatron_serve.server.backend.Backend`).
 
 Two implementations, chosen once when a ``MegatronAsyncLLM`` is built:
 

@@ -43,7 +43,7 @@ from .prompts import ImagePrompt, Prompt, tokenize_prompt
 from ..wire.request import DynamicInferenceRequest, EngineRequest, FinishReason, RequestStatus
 from ..wire.submission import WireImage
 from ..wire.sampling_params import SamplingParams
-from .streams import iterate_stream
+from .streams import Sink, iterate_stream
 from ..tokenizer import Tokenizer
 from ..weights.sources import TensorSource, WeightSource
 
@@ -123,14 +123,15 @@ class EngineThread:
             self._started = True
             self._thread.start()
 
-    def submit(self, prompt: Prompt, params: SamplingParams, stream: bool, request_id: str | None = None
-               ) -> tuple[str, asyncio.Future, asyncio.Queue | None]:
+    def submit(self, prompt: Prompt, params: SamplingParams, stream: bool, request_id: str | None = None,
+               sink: Sink | None = None) -> tuple[str, asyncio.Future, Any]:
+        """``sink``: where a stream's items go (a queue made here without one)."""
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already pending")
         future = loop.create_future()
-        items: asyncio.Queue | None = asyncio.Queue() if stream else None
+        items = sink if sink is not None else asyncio.Queue() if stream else None
         text_prompt = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
         collector = OutputCollector(request_id, text_prompt, params, self.engine.tokenizer)
         self._pending.add(PendingRequest(request_id, text_prompt, params, stream, future, collector, items))
@@ -352,6 +353,20 @@ class LocalEngineClient:
         request_id, _future, items = self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id)
         async for item in iterate_stream(items, lambda: self._thread.abort(request_id)):
             yield item
+
+    def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, *,
+                                 request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                                 placement: Placement | None = None) -> str:
+        """Submit one prompt whose pieces, final request or error the caller's loop puts straight into ``sink`` as the
+        engine thread hands them over (no task per stream); its id. The caller aborts it when it stops listening."""
+        one_engine(placement)
+        prompt = ImagePrompt(prompt, images) if images else prompt
+        return self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id, sink=sink)[0]
+
+    @property
+    def connected(self) -> bool:
+        """Always: the engine is in this process (a status it answers late means busy, never unreachable)."""
+        return True
 
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)

@@ -20,7 +20,7 @@ round. The key is checked before the body is read; bodies are strict like the re
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable, Literal, Protocol
+from typing import Any, Awaitable, Callable, Literal
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -30,24 +30,16 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ..wire.connection import ControlError, CoordinatorError
 from ..errors import NoFleet
-from ..wire.lifecycle import Verb
 from ..wire.status import StatusReply
 from ..wire.verb_calls import HTTP, VERB_CALLS, Arg, ArgumentError, VerbCall
 from .api_key import presented_key
 from .errors import APIError, bad_request
+from .backend import Backend
 from .fleet import FleetMonitor
 from .intake import parse_body, request_body_doc
 from .models import ErrorResponse
 
 ADMIN_KEY_ENV = "MEGATRON_SERVE_ADMIN_KEY"
-
-
-class LifecycleBackend(Protocol):
-    """What the admin routes need of the backend (an ``InferenceClient``, or ``MegatronAsyncLLM.client``)."""
-
-    async def control(self, verb: Verb | str, timeout: float | None = ..., **arguments: Any) -> dict[str, Any]: ...
-
-    async def status(self, timeout: float | None = ...) -> dict[str, Any]: ...
 
 
 class _AdminBody(BaseModel):
@@ -172,7 +164,7 @@ def _with_older_coordinator(responses: dict[int | str, dict[str, Any]], call: Ve
     return {**responses, 501: {"model": ErrorResponse, "description": f"the coordinator is older than {older}"}}
 
 
-def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMonitor, admin_key: str | None) -> None:
+def add_admin_routes(app: FastAPI, backend: Backend, monitor: FleetMonitor, admin_key: str | None) -> None:
     """``/v1/admin/*`` on ``app`` (see the module docstring)."""
     guard = admin_guard(admin_key)
     responses: dict[int | str, dict[str, Any]] = {

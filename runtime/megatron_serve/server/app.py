@@ -36,7 +36,8 @@ from .context import ServerContext
 from .drain import Admission
 from .errors import install_error_handlers
 from .fast_routes import Layer, ServerApp
-from .fleet import FleetMonitor, InferenceBackend
+from .backend import Backend
+from .fleet import FleetMonitor
 from .generation import PendingCounter
 from .generation_routes import add_generation_routes
 from .http_layer import HTTPLayer
@@ -82,7 +83,7 @@ def key_for(path: str) -> str:
 
 
 def create_app(
-    backend: InferenceBackend,
+    backend: Backend,
     tokenizer: Tokenizer,
     model_name: str,
     api_key: str | None = None,
@@ -166,8 +167,8 @@ def create_app(
     add_probe_routes(app, ctx)
     add_tokenize_routes(app, ctx, guard.dependencies,
                         error_responses([400, 401, 404, 415] if guard.on else [400, 404, 415]))
-    add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
-    add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)  # type: ignore[arg-type]
+    add_admin_routes(app, backend, monitor, admin_key)
+    add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)
     add_rl_routes(app, ctx, admin_key, guard)
     add_token_routes(app, ctx, guard)  # the RL frameworks' generation routes, on the OpenAI routes' handlers
     bodies = (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES, *TOKEN_BODIES, *CONTROL_BODIES)

@@ -13,7 +13,8 @@ from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 from .drain import DrainState, Stopping
 from .errors import shutting_down
-from .fleet import FleetMonitor, InferenceBackend
+from .backend import Backend
+from .fleet import FleetMonitor
 from .generation import PendingCounter, Submission
 from .intake import Workers
 from .live import LiveSubmissions
@@ -25,7 +26,7 @@ from .translate import EngineJob
 
 @dataclass
 class ServerContext:
-    backend: InferenceBackend
+    backend: Backend
     tokenizer: Tokenizer
     model_name: str
     monitor: FleetMonitor

@@ -8,7 +8,7 @@ stopped or the coordinator cannot be reached.
 
 Whether the coordinator can be reached is a fact the token stream cannot starve: the client's
 connection hears from the coordinator with every frame it reads (tokens, results, the answers to
-its heartbeats), so a backend that says it is ``connected`` (:class:`Heard`) is reachable, however
+its heartbeats), so a backend that says it is ``connected`` (:class:`.backend.Backend`) is reachable, however
 late a ``STATUS_REPLY`` comes. A poll that times out on such a connection makes the fleet *busy*
 (the last status stays, requests are accepted, ``/ready`` stays 200), never *unreachable*: under
 heavy streaming most polls time out while every stream completes, and new completions were refused
@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any
 
 from ..limits import READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
 from ..wire.lifecycle import FleetState
+from .backend import Backend
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -41,38 +42,15 @@ STOPPED = FleetState.STOPPED.value
 RUNNING = FleetState.RUNNING.value
 
 
-class InferenceBackend(Protocol):
-    """What the server needs from :class:`~megatron_serve.client.coordinator_client.InferenceClient` (or a stand-in)."""
-
-    def add_request(self, prompt: str | list[int], sampling_params: Any, *, request_id: str | None = None,
-                    images: list[Any] | None = None, placement: Any = None) -> "asyncio.Future[Any]": ...
-
-    def add_request_streaming(self, prompt: str | list[int], sampling_params: Any, *, request_id: str | None = None,
-                              images: list[Any] | None = None, placement: Any = None) -> AsyncIterator[Any]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    async def status(self, timeout: float | None = 10.0) -> dict[str, Any]: ...
-
-
-@runtime_checkable
-class Heard(Protocol):
-    """A backend that knows whether its coordinator spoke lately (``InferenceClient``: any frame within its
-    ``coordinator_timeout``); a late ``STATUS_REPLY`` then means busy, not unreachable."""
-
-    @property
-    def connected(self) -> bool: ...
-
-
 class FleetMonitor:
     """Polls ``backend.status()`` every ``interval`` seconds and keeps the last answer.
 
-    The backend is started here too (``start(timeout)`` when it has one), in the background and
+    The backend is started here too (``start(timeout)``), in the background and
     without a deadline: a server may come up before its coordinator, and must then answer 503
     and report not-ready until the coordinator appears, instead of failing to start.
     """
 
-    def __init__(self, backend: InferenceBackend, interval: float = STATUS_INTERVAL, timeout: float = STATUS_TIMEOUT,
+    def __init__(self, backend: Backend, interval: float = STATUS_INTERVAL, timeout: float = STATUS_TIMEOUT,
                  connect_grace: float = 2.0, ready_timeout: float = READY_TIMEOUT) -> None:
         for name, value in (("interval", interval), ("timeout", timeout), ("ready_timeout", ready_timeout)):
             if not value > 0:
@@ -125,24 +103,22 @@ class FleetMonitor:
             pass
 
     async def _run(self) -> None:
-        start = getattr(self.backend, "start", None)
-        if start is not None:
-            starting = asyncio.ensure_future(start(timeout=float("inf")))
-            began = time.monotonic()
-            try:
-                while not starting.done():
-                    if time.monotonic() - began > self.connect_grace:
-                        self._first.set()  # stop holding the first requests: they get 503 until connected
-                    await asyncio.wait({starting}, timeout=self.interval)
-            finally:
-                if not starting.done():
-                    starting.cancel()
-            if starting.exception() is not None:  # e.g. a refused token: retrying cannot help, say what to fix
-                self.problem = f"cannot connect to the coordinator: {starting.exception()}"
-                self.reachable = False
-                self._first.set()
-                logger.error("%s", self.problem)
-                return
+        starting = asyncio.ensure_future(self.backend.start(timeout=float("inf")))
+        began = time.monotonic()
+        try:
+            while not starting.done():
+                if time.monotonic() - began > self.connect_grace:
+                    self._first.set()  # stop holding the first requests: they get 503 until connected
+                await asyncio.wait({starting}, timeout=self.interval)
+        finally:
+            if not starting.done():
+                starting.cancel()
+        if starting.exception() is not None:  # e.g. a refused token: retrying cannot help, say what to fix
+            self.problem = f"cannot connect to the coordinator: {starting.exception()}"
+            self.reachable = False
+            self._first.set()
+            logger.error("%s", self.problem)
+            return
         while True:
             await self.refresh()
             self._first.set()
@@ -162,7 +138,7 @@ class FleetMonitor:
         except asyncio.CancelledError:
             raise
         except (TimeoutError, asyncio.TimeoutError):
-            if self.status is not None and isinstance(self.backend, Heard) and self.backend.connected:
+            if self.status is not None and self.backend.connected:
                 if not self.busy:
                     logger.info("coordinator busy: no status within %gs while it streams; the last one stands "
                                 "(--status-timeout)", self.timeout)

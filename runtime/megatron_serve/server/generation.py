@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
@@ -28,7 +28,7 @@ from ..wire.placement import PlacementError
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .drain import Stopping
 from .errors import APIError, shutting_down
-from .fleet import InferenceBackend
+from .backend import Backend
 from .metrics import ServerMetrics
 from .placement import placement_refused
 from .request_log import RequestLog
@@ -49,23 +49,6 @@ def _nothing() -> None:
 #: source each time; the ids only need to be unique among this process's client's requests).
 _ID_PREFIX = f"{uuid.uuid4().hex[:16]}-"
 _ID_NUMBERS = itertools.count()
-
-
-@runtime_checkable
-class SinkBackend(Protocol):
-    """A backend that puts a stream's items straight into a queue of the caller's
-    (:meth:`~megatron_serve.client.coordinator_client.InferenceClient.add_request_streaming_to`)."""
-
-    def add_request_streaming_to(self, prompt: Any, sampling_params: Any, sink: Any, *, request_id: str | None = None,
-                                 images: list[Any] | None = None, placement: Any = None) -> str: ...
-
-
-@functools.lru_cache(maxsize=None)
-def _fills_sinks(backend_type: type) -> bool:
-    """Whether backends of ``backend_type`` are :class:`SinkBackend` ones, asked once per type: an ``isinstance``
-    against a runtime-checkable protocol walks the protocol's members each time (2.9 us a request in Python 3.11,
-    against 0.06)."""
-    return issubclass(backend_type, SinkBackend)
 
 
 class _Tagged:
@@ -155,7 +138,7 @@ def _images(job: EngineJob) -> dict[str, Any]:
 class Submission:
     """The engine requests of one HTTP request, with the bookkeeping to abort what is unfinished."""
 
-    backend: InferenceBackend
+    backend: Backend
     metrics: ServerMetrics
     pending: PendingCounter
     stopping: Stopping  # the server stops: give up at once with a 503 (what is unfinished is aborted)
@@ -177,7 +160,6 @@ class Submission:
         self._remaining = len(self.jobs)  # jobs whose final request did not come yet
         self._render: Renderer[Any] | None = None  # a stream's chunk producer, and its writer (start_stream)
         self._writer: EventWriter | None = None
-        self._tasks: list[asyncio.Task[None]] = []  # a stream's tasks, for backends that do not fill sinks
         self._forget_stop: Callable[[], None] = _nothing
         self._held: dict[str, StreamPartial] = {}  # pieces merged while shorter than the interval
         self._opened: set[str] = set()  # jobs whose first piece went
@@ -213,10 +195,6 @@ class Submission:
         """Abort every engine request that has not finished (idempotent)."""
         self._forget_stop()
         self._forget_stop = _nothing  # it holds this submission (through its callback): no reference cycle left
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()  # each stream's own cleanup aborts its request
-        self._tasks = []  # a cancelled task's traceback holds this submission: no reference cycle left
         if self.ticket is not None:
             self.ticket.close()
         if not self.unfinished:
@@ -270,10 +248,10 @@ class Submission:
 
     def start_stream(self, render: Renderer[Any], writer: EventWriter) -> None:
         """Submit every job streamed; each item that arrives becomes the answer's events through ``render`` and goes
-        to ``writer`` at once (:meth:`deliver`), whoever brings it: the client's receive loop for a backend that
-        fills sinks (its one pass over a step makes and writes every stream's chunk: no task woken per stream and
-        step), else a task per job. The answer ends with the last job's final request (``render.end`` and
-        ``[DONE]``), a job's error, or the server stopping; :meth:`close` aborts what is unfinished.
+        to ``writer`` at once (:meth:`deliver`), from the client's own delivery (its receive loop's one pass over a
+        step makes and writes every stream's chunk: no task woken per stream and step). The answer ends with the
+        last job's final request (``render.end`` and ``[DONE]``), a job's error, or the server stopping;
+        :meth:`close` aborts what is unfinished.
 
         With ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), a job's pieces are merged until they hold N
         tokens (its first piece goes at once, for the time to first token; what is held goes before the final
@@ -281,25 +259,12 @@ class Submission:
         """
         self._render, self._writer = render, writer
         self._forget_stop = self.stopping.on_set(lambda: self._fail(shutting_down()))
-        if _fills_sinks(type(self.backend)):  # the client's receive loop delivers: no task per job
-            for job, rid in zip(self.jobs, self.ids):
-                try:
-                    self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
-                                                          request_id=rid, **_images(job))
-                except Exception as exc:  # refused at once (e.g. a lost coordinator): as a task would report it
-                    self.deliver(job, rid, exc)
-        else:
-            self._tasks = [asyncio.create_task(self._pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
-
-    async def _pump(self, job: EngineJob, request_id: str) -> None:
-        try:
-            async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params, request_id=request_id,
-                                                                 **_images(job)):
-                self.deliver(job, request_id, item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.deliver(job, request_id, exc)
+        for job, rid in zip(self.jobs, self.ids):
+            try:
+                self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
+                                                      request_id=rid, **_images(job))
+            except Exception as exc:  # refused at once (e.g. a lost coordinator): reported as an item
+                self.deliver(job, rid, exc)
 
     def deliver(self, job: EngineJob, request_id: str, item: Any) -> None:
         """One of ``job``'s items as it arrives (a piece, its final request or its error): its events made and

@@ -21,7 +21,7 @@ every client of the fleet is served.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
@@ -29,6 +29,7 @@ from pydantic import Field
 
 from ..wire.lora_names import name_problem, path_problem, shown
 from .admin import _AdminBody, _parse, admin_guard, run_verb
+from .backend import Backend
 from .errors import APIError, bad_request
 from .fleet import FleetMonitor
 from .intake import request_body_doc
@@ -41,14 +42,6 @@ LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 def runtime_lora_allowed(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` opens the routes (``1`` or ``true``, any case, as vLLM reads it)."""
     return environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
-
-
-class LoraBackend(Protocol):
-    """What the routes need of the backend (an ``InferenceClient``, or the in-process engine's client)."""
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]: ...
-
-    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]: ...
 
 
 class LoadLoRAAdapterRequest(_AdminBody):
@@ -80,7 +73,7 @@ def check_load(body: LoadLoRAAdapterRequest, served_model: str) -> None:
         raise bad_request(problem, param="lora_path")
 
 
-def add_lora_routes(app: FastAPI, backend: LoraBackend, monitor: FleetMonitor, admin_key: str | None,
+def add_lora_routes(app: FastAPI, backend: Backend, monitor: FleetMonitor, admin_key: str | None,
                     allowed: bool, served_model: str) -> None:
     """The two routes on ``app`` (see the module docstring); ``allowed``: :func:`runtime_lora_allowed`;
     ``served_model``: the base model's name, which no adapter may take."""

@@ -28,7 +28,7 @@ class _Request:
                                               sampling_params=params)
         self.record.add_event(EventType.ADD)
         self.collector = OutputCollector(request_id, list(prompt), params, tokenizer)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: Any = asyncio.Queue()  # or the caller's sink (add_request_streaming_to)
         self.left = params.num_tokens_to_generate
         self.done = False
 
@@ -51,6 +51,11 @@ class ControlledFleet:
         self._runner: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ what the server reads
+
+    connected = True  # its status never comes late
+
+    async def start(self, timeout: float = 30.0) -> "ControlledFleet":
+        return self
 
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
         stalled = 0.0 if self.wedged_since is None else time.monotonic() - self.wedged_since
@@ -148,6 +153,11 @@ class ControlledFleet:
         finally:
             if not request.done:
                 self.abort(request.request_id)
+
+    def add_request_streaming_to(self, prompt: list[int], sampling_params: SamplingParams, sink: Any, *,
+                                 request_id: str, images: list[Any] | None = None) -> str:
+        self._start(prompt, sampling_params, request_id).queue = sink  # its items go straight to the caller
+        return request_id
 
     def abort(self, request_id: str) -> None:
         """As the coordinator ends a client's abort: FAILED, ``abort``, the tokens so far."""

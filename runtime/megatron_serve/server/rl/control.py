@@ -21,12 +21,12 @@ answers False (vLLM's ``/reset_prefix_cache`` a 409, TRL's message ``status: Fal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Iterable, TypeVar
 
 from fastapi import Request
 
 from ...wire.lifecycle import FleetState, Verb
-from ..admin import LifecycleBackend, run_verb
+from ..admin import run_verb
 from ..errors import APIError, bad_request
 
 if TYPE_CHECKING:  # annotations only: the context's imports are deep, and the routes' modules hold one
@@ -57,7 +57,7 @@ class Control:
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self.backend = cast(LifecycleBackend, ctx.backend)  # the clients have the verbs (as the admin routes read it)
+        self.backend = ctx.backend
 
     async def run(self, route: str, verb: Verb, **arguments: Any) -> dict[str, Any]:
         """Run ``verb`` for ``route`` (the route's path names it in every refusal) and return its acknowledgement."""

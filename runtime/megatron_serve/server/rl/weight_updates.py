@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, TensorMeta
 from ...wire.lifecycle import FleetState, PauseMode
 from ..errors import APIError, bad_request
-from ..fleet import InferenceBackend
+from ..backend import Backend
 from ..intake import parse_body
 
 if TYPE_CHECKING:  # torch only once a trainer's group is joined: the HTTP server runs without it otherwise
@@ -87,7 +87,7 @@ class WeightUpdates:
     """The weight-update state of one server: the trainer group it joined, the tensors staged for the next commit,
     and the checksums of what the fleet loaded through it. One update at a time (:attr:`lock`)."""
 
-    def __init__(self, backend: InferenceBackend, transfer_backend: str | None, run: VerbRunner,
+    def __init__(self, backend: Backend, transfer_backend: str | None, run: VerbRunner,
                  timeout: float = TRANSFER_TIMEOUT_S) -> None:
         self.backend = backend
         self.transfer_backend = transfer_backend  # --weight-transfer-config's backend; None: no trainer groups
