@@ -8,6 +8,7 @@ items, so ``MegatronAsyncLLM`` and the HTTP server never ask which one they talk
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..wire.request import DynamicInferenceRequest
@@ -24,16 +25,18 @@ class StreamPartial:
     new_tokens: list[int]
     new_text: str
     new_log_probs: list[float] = field(default_factory=list)
-    new_top_ids: list[list[int]] = field(default_factory=list)  # per new token, when asked for
-    new_top_log_probs: list[list[float]] = field(default_factory=list)
+    # Fields most pieces leave empty default to one shared empty tuple (a list each per piece cost a plain stream's
+    # pieces a tenth more CPU time); the collector sets lists.
+    new_top_ids: Sequence[list[int]] = ()  # per new token, when asked for
+    new_top_log_probs: Sequence[list[float]] = ()
     # With return_log_probs, the listing: the next tokens a log-prob listing may show (all of their text was sent, by
     # this piece or before), continuing where the stream's earlier pieces left off: their texts, ids, log probs and
     # top-n. A listing may lag the tokens (their text held back: a possible stop string, an unfinished character).
     token_texts: list[str] = field(default_factory=list)
-    listed_tokens: list[int] = field(default_factory=list)
-    listed_log_probs: list[float] = field(default_factory=list)
-    listed_top_ids: list[list[int]] = field(default_factory=list)
-    listed_top_log_probs: list[list[float]] = field(default_factory=list)
+    listed_tokens: Sequence[int] = ()
+    listed_log_probs: Sequence[float] = ()
+    listed_top_ids: Sequence[list[int]] = ()
+    listed_top_log_probs: Sequence[list[float]] = ()
     finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
 
     @property

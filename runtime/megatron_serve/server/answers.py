@@ -6,7 +6,7 @@ Finish reasons, usage, and the bookkeeping of a streamed choice are the same for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,7 @@ def usage_fields(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInfe
 TopPairs = Iterable[tuple[int, float]]
 
 
-def zipped(ids: list[list[int]], log_probs: list[list[float]]) -> list[TopPairs]:
+def zipped(ids: Sequence[list[int]], log_probs: Sequence[list[float]]) -> list[TopPairs]:
     """Each token's alternatives from top-n's parallel lists, as pairs (nothing built: read once, by a listing)."""
     return list(map(zip, ids, log_probs))
 
@@ -99,8 +99,8 @@ class Delta:
     """
 
     text: str
-    tokens: list[int]
-    log_probs: list[float]
+    tokens: Sequence[int]
+    log_probs: Sequence[float]
     top_n: list[TopPairs]
     token_texts: list[str]
 

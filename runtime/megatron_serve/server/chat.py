@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..tokenizer import Tokenizer
@@ -42,8 +43,8 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float],
-                  top_n: list[TopPairs] | None, n: int = 20, ids: list[int] | None = None) -> dict[str, Any]:
+def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: Sequence[float],
+                  top_n: list[TopPairs] | None, n: int = 20, ids: Sequence[int] | None = None) -> dict[str, Any]:
     """Log-probs (``ChatChoiceLogprobs``' fields, plain data) of tokens whose texts (what each adds to the
     generated text) are ``texts``; the ``n`` best alternatives are named by their own text. ``ids``: the tokens'
     ids, to name every token ``token_id:N`` instead (``return_tokens_as_token_ids``)."""
@@ -101,8 +102,8 @@ class ChatHandler(GenerationHandler):
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
         return make_usage(len(self.prompt.tokens), finished)
 
-    def _logprobs(self, texts: list[str], log_probs: list[float], top_n: list[TopPairs] | None,
-                  ids: list[int]) -> dict[str, Any] | None:
+    def _logprobs(self, texts: list[str], log_probs: Sequence[float], top_n: list[TopPairs] | None,
+                  ids: Sequence[int]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         return chat_logprobs(self.ctx.tokenizer, texts, log_probs, top_n if self.top else None, self.top,

@@ -37,9 +37,9 @@ from .translate import (
 )
 
 
-def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float | None],
+def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: Sequence[float | None],
                         top_n: list[TopPairs | None] | None, offset: int, n: int = 20,
-                        ids: list[int] | None = None) -> dict[str, Any]:
+                        ids: Sequence[int] | None = None) -> dict[str, Any]:
     """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
     texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``
     best alternatives are named by their own text. ``ids``: the tokens' ids, to name every token ``token_id:N``

@@ -119,11 +119,11 @@ def merge_pieces(first: StreamPartial | None, then: StreamPartial) -> StreamPart
     if first is None:
         return then
     return StreamPartial(then.request_id, first.new_tokens + then.new_tokens, first.new_text + then.new_text,
-                         first.new_log_probs + then.new_log_probs, first.new_top_ids + then.new_top_ids,
-                         first.new_top_log_probs + then.new_top_log_probs, first.token_texts + then.token_texts,
-                         first.listed_tokens + then.listed_tokens, first.listed_log_probs + then.listed_log_probs,
-                         first.listed_top_ids + then.listed_top_ids,
-                         first.listed_top_log_probs + then.listed_top_log_probs)
+                         first.new_log_probs + then.new_log_probs, [*first.new_top_ids, *then.new_top_ids],
+                         [*first.new_top_log_probs, *then.new_top_log_probs], first.token_texts + then.token_texts,
+                         [*first.listed_tokens, *then.listed_tokens], [*first.listed_log_probs, *then.listed_log_probs],
+                         [*first.listed_top_ids, *then.listed_top_ids],
+                         [*first.listed_top_log_probs, *then.listed_top_log_probs])
 
 
 def _images(job: EngineJob) -> dict[str, Any]:
