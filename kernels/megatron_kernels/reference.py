@@ -65,11 +65,16 @@ def apply_rotary(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``(x1 cos - x2 sin, x2 cos + x1 sin, rest)``, each half written in place into one new tensor (no ``cat``)."""
+    """``(x1 cos - x2 sin, x2 cos + x1 sin, rest)``, each half written in place into one new tensor (no ``cat``).
+
+    Computed in the tables' dtype, each product rounded to it: tables in the model dtype give ``transformers``' and
+    vLLM's rotation in that dtype bit for bit (both cast ``cos``/``sin`` to it and rotate in it); with float32 tables
+    a 16-bit ``x`` is rounded once, at the end.
+    """
     half = cos.shape[-1]
-    x32 = x.float()
-    x1, x2 = x32[..., :half], x32[..., half : 2 * half]
-    rotated = torch.empty_like(x32) if 2 * half == x.shape[-1] else x32.clone()  # partial rotary: the rest as is
+    xc = x.to(cos.dtype)
+    x1, x2 = xc[..., :half], xc[..., half : 2 * half]
+    rotated = torch.empty_like(xc) if 2 * half == x.shape[-1] else xc.clone()  # partial rotary: the rest as is
     torch.mul(x1, cos, out=rotated[..., :half]).sub_(x2 * sin)
     torch.mul(x2, cos, out=rotated[..., half : 2 * half]).add_(x1 * sin)
     return rotated.to(x.dtype)
@@ -134,7 +139,15 @@ def paged_attention_decode(
     a batch of mixed lengths padded to its longest gathered and multiplied about twice the keys and values
     it needed. Each group's keys and values are gathered into ``[Hkv, S, L, D]`` (:func:`_gather_kv`), and
     the query heads that share a KV head multiply them together (no copy per query head).
+
+    Queries over a cache of their own 16-bit dtype go one sequence at a time through
+    :func:`paged_attention_prefill` instead: attention in the model dtype as ``transformers``' decode step computes it
+    (torch's fused kernel over the sequence's own keys), which padding a group to its longest would change (the
+    kernel's sums depend on the key count).
     """
+    if _attention_dtype(q, k_cache) != torch.float32:
+        starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return paged_attention_prefill(q, k_cache, v_cache, block_tables, starts, context_lens, scale, out=out)
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
@@ -167,11 +180,17 @@ def paged_attention_decode(
     return out
 
 
+def _attention_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: the model's where the cache holds keys in it (a 16-bit model, as
+    ``transformers`` computes it), float32 otherwise (a float32 model, an FP8 cache dequantized)."""
+    return q.dtype if k_cache.dtype == q.dtype else torch.float32
+
+
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[Hkv, S, L, D]`` float32: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by
-    head (dequantized, from an FP8 cache; a table's unused entries read block 0, masked by the caller).
+               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[Hkv, S, L, D]`` in ``dtype``: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by
+    head (dequantized in float32, from an FP8 cache; a table's unused entries read block 0, masked by the caller).
 
     On a pool stored heads first (``KVCachePool(heads_first=True)``, a CPU's) every (head, block) is one contiguous
     run of ``block_size * D`` values, and the gather copies whole runs straight into place; a pool stored blocks
@@ -192,10 +211,10 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tenso
             out = (cache.reshape(num_blocks, -1).index_select(0, blocks)
                    .view(seqs, width * block_size, kv_heads, head_dim).permute(2, 0, 1, 3).contiguous())
         if scales is None:
-            gathered.append(out.float())
+            gathered.append(out.to(dtype))
         else:
             scale = scales.index_select(0, blocks).view(seqs, width * block_size, kv_heads).permute(2, 0, 1)
-            gathered.append(out.float() * scale[..., None])
+            gathered.append((out.float() * scale[..., None]).to(dtype))
     return gathered[0], gathered[1]
 
 
@@ -254,8 +273,13 @@ def paged_attention_prefill(
 
     Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, which are the last
     positions of its ``context_lens[i]`` cached tokens (chunked prefill over cached blocks).
+
+    Computed in :func:`_attention_dtype` by torch's fused kernel on 4-D tensors, as ``transformers``' sdpa attention
+    calls it: a 16-bit model's rows then have its bits. A sequence of context 0 (a padding row of a decode step)
+    attends to nothing: its rows are NaN.
     """
     block_size = k_cache.shape[1]
+    dtype = _attention_dtype(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -264,18 +288,21 @@ def paged_attention_prefill(
         q_len = q_end - q_start
         if q_len == 0:
             continue
+        if context_len == 0:
+            out[q_start:q_end] = float("nan")
+            continue
         num_blocks = -(-context_len // block_size)
         table = block_tables[i : i + 1, :num_blocks]
-        keys, values = _gather_kv(k_cache, v_cache, table, k_scales, v_scales)
-        keys, values = keys[:, 0, :context_len], values[:, 0, :context_len]  # [Hkv, L, D]
+        keys, values = _gather_kv(k_cache, v_cache, table, k_scales, v_scales, dtype)
+        keys, values = keys[:, :, :context_len], values[:, :, :context_len]  # [Hkv, 1, L, D]
         query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         attended = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).float(), keys, values, attn_mask=mask, scale=scale,
-            enable_gqa=q.shape[1] != keys.shape[0],
+            q[q_start:q_end].to(dtype).transpose(0, 1)[None], keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[0],
         )
-        out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
+        out[q_start:q_end] = attended[0].transpose(0, 1).to(q.dtype)
     return out
 
 

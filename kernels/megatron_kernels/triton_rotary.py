@@ -42,10 +42,11 @@ def _rotate_heads(
     dst = out_ptr + tok64 * stride_ot + heads[None, :, None] * stride_oh + j[None, None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    o1 = (x1 * c - x2 * s).to(out_ptr.dtype.element_ty)
-    o2 = (x2 * c + x1 * s).to(out_ptr.dtype.element_ty)
+    c = cos[:, None, :].to(tl.float32)
+    s = sin[:, None, :].to(tl.float32)
+    # each product rounded to the tables' dtype, as the reference computes in it (a no-op for float32 tables)
+    o1 = ((x1 * c).to(cos.dtype).to(tl.float32) - (x2 * s).to(cos.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    o2 = ((x2 * c).to(cos.dtype).to(tl.float32) + (x1 * s).to(cos.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
     if BLOCK_REST > 0:
@@ -107,8 +108,8 @@ def _rotary_kernel(
     j = tl.arange(0, BLOCK_HALF)
     pos = tl.load(pos_ptr + tok, mask=tmask, other=0).to(tl.int64)
     cs_mask = tmask[:, None] & (j < HALF)[None, :]
-    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=cs_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos[:, None] * stride_sin + j[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=cs_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_sin + j[None, :], mask=cs_mask, other=0.0)
     if WRITE_CACHE:
         slots = tl.load(slot_ptr + tok, mask=tmask, other=-1)
     else:

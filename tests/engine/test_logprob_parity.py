@@ -2,9 +2,9 @@
 
 A real engine on the tiny model. The check's verdicts are shown three ways: a deliberately injected
 mismatch is counted and logged by name and position beside an untouched request that checks clean
-(bfloat16, where this CPU's decode and prefill agree on this model); the same requests in float32
-without the batch-invariant mode differ in the last bits (decode and prefill reduce in another order),
-and the check sees it; which requests are checked is a function of their ids alone.
+(bfloat16 in the batch-invariant mode, where decode and prefill agree by design); the same requests in
+float32 without the batch-invariant mode differ in the last bits (decode and prefill reduce in another
+order), and the check sees it; which requests are checked is a function of their ids alone.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ def sampled(seed: int, tokens: int = 12) -> SamplingParams:
                           return_log_probs=True)
 
 
-def engine_for(model: str, dtype: str, fraction: float = 1.0) -> DynamicInferenceEngine:
+def engine_for(model: str, dtype: str, fraction: float = 1.0, batch_invariant: bool = False
+               ) -> DynamicInferenceEngine:
     return DynamicInferenceEngine.from_model_dir(model, InferenceConfig(
-        dtype=dtype, verify_logprobs_fraction=fraction, num_kv_blocks=128, block_size_tokens=16))
+        dtype=dtype, verify_logprobs_fraction=fraction, num_kv_blocks=128, block_size_tokens=16,
+        batch_invariant=batch_invariant))
 
 
 def add(engine: DynamicInferenceEngine, request_id: str, prompt: str, params: SamplingParams) -> DynamicInferenceRequest:
@@ -46,7 +48,7 @@ def run_out(engine: DynamicInferenceEngine, delivered: list[str]) -> None:
 
 
 def test_an_injected_mismatch_is_counted_and_logged_with_request_and_position(tiny_llama, caplog):
-    engine = engine_for(tiny_llama, "bfloat16")
+    engine = engine_for(tiny_llama, "bfloat16", batch_invariant=True)
     clean = add(engine, "clean", PROMPTS[1], sampled(1))
     bad = add(engine, "tampered", PROMPTS[2], sampled(2))
     delivered: list[str] = []

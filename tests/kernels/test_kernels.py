@@ -140,6 +140,24 @@ def test_apply_rotary(tokens, hq, hkv, head_dim, rotary_dim, dtype):
     _close(out_k, ref_k, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter truncates "
+                                                          "float32 to bfloat16 where a GPU rounds to nearest")),
+    torch.float16,
+])
+def test_apply_rotary_with_tables_in_the_model_dtype_rounds_each_product_as_the_reference(dtype):
+    """A model's tables are in its dtype (``transformers`` and vLLM rotate in it): both twins round each product to
+    it, bit for bit; with the products unrounded (float32 arithmetic on the same tables) some values differ."""
+    q, k, _ = _qkv(13, 8, 2, 64, dtype, seed=9)
+    cos, sin = (table.to(dtype) for table in _cos_sin(64, 64))
+    positions = torch.randint(0, 64, (13,), generator=_gen(10)).to(DEVICE)
+    ref_q, ref_k = reference.apply_rotary(q, k, positions, cos, sin)
+    out_q, out_k = tri.apply_rotary(q, k, positions, cos, sin)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    unrounded_q, _ = reference.apply_rotary(q, k, positions, cos.float(), sin.float())
+    assert not torch.equal(unrounded_q, ref_q)
+
+
 # ------------------------------------------------------------------------------------------- KV cache
 
 

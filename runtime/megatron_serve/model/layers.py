@@ -267,16 +267,20 @@ class RMSNorm(nn.Module):
         return self._fused_add_norm(x, residual, self.weight, self.eps)
 
 
-def rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]``, with Llama 3 / linear scaling.
+def rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``[max_positions, head_dim // 2]`` in ``dtype``, with Llama 3 / linear scaling: computed
+    in float32, then cast. The rotary kernels compute in the tables' dtype, so a model's own tables are in the model
+    dtype: ``transformers`` and vLLM cast ``cos``/``sin`` to it and rotate in it.
 
     Under a ``meta`` device (a model built for its shapes alone: refit's checks, a rank's layout) the tables are
     shapes too: arithmetic on meta tensors goes through ``torch._refs``, whose first call imports ``torch._dynamo``
     (about 2 s of CPU in each engine process that checks a refit)."""
     if torch.get_default_device().type == "meta":
-        return torch.empty(max_positions, head_dim // 2), torch.empty(max_positions, head_dim // 2)
+        return torch.empty(max_positions, head_dim // 2, dtype=dtype), torch.empty(max_positions, head_dim // 2,
+                                                                                    dtype=dtype)
     freqs = rotary_angles(head_dim, max_positions, rope)
-    return freqs.cos(), freqs.sin()
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def invariant_rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype

@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope)
+        cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope, self.dtype)
         self.register_buffer("rotary_cos", cos, persistent=False)
         self.register_buffer("rotary_sin", sin, persistent=False)
         self._mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}."
