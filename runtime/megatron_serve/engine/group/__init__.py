@@ -26,8 +26,11 @@ process loop:
 * :mod:`.spawn`: starting this machine's other ranks from rank 0's process, and leaving the group on a failed start;
 * :mod:`.kv_tier` and :mod:`.kv_handoff`: every rank's part of the host KV tier's copies and of a prefilled
   request's blocks on their way to a decode engine, as rank 0 decides them;
-* :mod:`.data_parallel` and :mod:`.turns`: what data-parallel attention ranks agree on at each turn.
+* :mod:`.data_parallel` and :mod:`.turns`: what data-parallel attention ranks agree on at each turn;
+* :mod:`.regroup` and :mod:`.survival`: the data-parallel ranks left after one is lost form a new group, agree where
+  each stopped, and serve on.
 
 If any rank dies, the next collective fails on the others, and they exit: the coordinator then sees the group gone
-and re-queues its requests.
+and re-queues its requests. Data-parallel attention ranks of one process each on CPU serve on instead
+(:mod:`.survival`); the coordinator re-queues the lost rank's requests only.
 """

@@ -32,6 +32,7 @@ class PlanChannel:
         self.leader = leader
         self.device_group = device_group
         self.leaders = leaders
+        self.rendezvous: dist.Store | None = None  # the store the group met in (data-parallel attention's groups)
 
     def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None,
              tokens: int | None = None) -> None:

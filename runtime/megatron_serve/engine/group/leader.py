@@ -1,6 +1,8 @@
 """Rank 0's runner (:class:`TensorParallelRunner`): the engine's runner, which sends every step and lifecycle change
 to the group's other ranks (:mod:`.channel`) before acting on it itself, and gathers what they report of a refit or
-a peer pull. A collective that fails means the group broke: :class:`~megatron_serve.errors.EngineGroupLost`."""
+a peer pull. A collective that fails means the group broke: :class:`~megatron_serve.errors.EngineGroupLost`, unless
+the data-parallel ranks left serve on (:mod:`.survival`): the runner counts the turns and passes it completed, so that
+they can agree where each stopped (:mod:`.regroup`), and resumes there."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from .data_parallel import agree_tokens, agree_turn
 from .kv_handoff import GroupHandoff
 from .kv_tier import GroupCopier
 from .placement import release_groups
+from .regroup import Progress, Resume
+from .survival import GroupSurvival
 from .turns import Turn
 
 T = TypeVar("T")
@@ -35,11 +39,14 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers,
                  channel: PlanChannel, workers: list[multiprocessing.Process],
-                 graphs: StepGraphs | None = None):
+                 graphs: StepGraphs | None = None, survival: GroupSurvival | None = None):
         super().__init__(model, block_size, device, buffers, graphs)
         self.channel = channel
         self.workers = workers
+        self.survival = survival  # serves on without a lost data-parallel rank (.survival); None: the group ends
         self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
+        self._turns = self._works = 0  # turns agreed and MoE passes completed: where this rank is (.regroup)
+        self._last_turn = Turn(False, False)
 
     def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
                    tokens: int | None = None) -> None:
@@ -59,6 +66,17 @@ class TensorParallelRunner(ModelRunner):
                  previous_shifts=None) -> StepResult:
         # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
+        while True:  # a step that failed with a lost rank is run again over the ranks left, from its start
+            try:
+                result = self._run_plan_once(plan, kv_caches, image_embeddings, previous_tokens)
+                break
+            except EngineGroupLost as lost:
+                self._rejoin(lost, "work")
+        self._works += 1
+        return result
+
+    def _run_plan_once(self, plan: StepPlan, kv_caches, image_embeddings, previous_tokens) -> StepResult:
+        """One try of a step: the group's token count, the plan to this rank's workers, the forward."""
         tokens = self._agree_tokens(plan.num_tokens)
         self._broadcast("step", packed=self.buffers.pack(plan), tokens=tokens)
         try:
@@ -81,7 +99,18 @@ class TensorParallelRunner(ModelRunner):
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         if self.channel.leaders is None:
             return Turn(busy, holding)
-        return self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding))
+        while True:
+            try:
+                turn = self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding))
+                break
+            except EngineGroupLost as lost:
+                resume = self._rejoin(lost, "turn")
+                if resume.adopt is not None:  # the others agreed this turn before the loss: theirs is this rank's
+                    turn = resume.adopt
+                    break
+        self._turns += 1
+        self._last_turn = turn
+        return turn
 
     def _agree_tokens(self, tokens: int) -> int | None:
         """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
@@ -98,6 +127,30 @@ class TensorParallelRunner(ModelRunner):
         ran, self._ran_forward = self._ran_forward, False
         if self.channel.leaders is None or ran:
             return
+        self._empty_pass()
+        self._works += 1
+
+    def _rejoin(self, lost: EngineGroupLost, phase: str) -> Resume:
+        """Serve on with the ranks left after ``lost`` (raised again where this group cannot), this rank stopped in
+        ``phase``; joins the others' redo of a pass this rank completed (:class:`.regroup.Resume`)."""
+        if self.survival is None:
+            raise lost
+        resume = self.survival.rejoin(lost, Progress(self._turns, self._works, phase, *self._last_turn))
+        if resume.assist:
+            self._empty_pass()
+        return resume
+
+    def _empty_pass(self) -> None:
+        """An empty MoE pass (this rank ran no forward this step, or it joins the others' redo of one)."""
+        while True:
+            try:
+                self._empty_pass_once()
+                return
+            except EngineGroupLost as lost:
+                self._rejoin(lost, "work")
+
+    def _empty_pass_once(self) -> None:
+        """One try of an empty MoE pass: the group's token count, the idle message to this rank's workers, the pass."""
         tokens = self._agree_tokens(0)
         self._broadcast("idle", tokens=tokens)
         try:

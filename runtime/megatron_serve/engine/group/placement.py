@@ -137,7 +137,9 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
                            ) from exc
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:
-        return join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
+        tp, channel = join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
+        channel.rendezvous = store  # where the ranks left after a loss meet again (.regroup)
+        return tp, channel
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     tp_group = dist.group.WORLD
     if stages > 1:  # every rank creates every stage's group, in the same order

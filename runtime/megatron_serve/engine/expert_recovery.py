@@ -1,0 +1,65 @@
+"""A survivor's MoE layers after the expert-parallel group lost ranks (:func:`recover_experts`): each layer goes to
+its placement over the ranks left (:mod:`megatron_serve.model.experts.eplb_recovery`), its experts moved among the
+survivors over the new group and the ones only the lost ranks held read from the checkpoint, then its map and its
+dispatcher are those of the new placement. Every survivor calls it once, with the same arguments but its own rank,
+after :func:`.group.regroup.regroup` formed the new group.
+
+The experts read back come from the model directory: weights a refit changed since the start are not in it, so a
+group that was refitted from a trainer recovers the lost experts' weights of the checkpoint (the refit's epoch is then
+a mix); :func:`recover_experts` says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+
+from ..model.experts.dispatch import install_dispatchers
+from ..model.experts.eplb import LayerPlacement
+from ..model.experts.eplb_recovery import recovery
+from ..model.experts.moe import SparseMoeBlock, expert_weight_name
+from ..model.experts.moves import ExpertTransfer, install_rows
+from ..model.experts.token_dispatcher import DataParallelDispatcher
+from ..model.loader import checkpoint_views, load_weights
+
+logger = logging.getLogger(__name__)
+
+
+def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlock]], ordered: bool,
+                    model_dir: str | Path, ranks: int, lost: Collection[int], rank: int, group: object) -> int:
+    """Move ``blocks`` (``model``'s MoE layers that cross ranks, by module name; this survivor: old ``rank`` of
+    ``ranks``) to their placements over the ranks not in ``lost``, over ``group`` (the survivors' new group), and
+    give them dispatchers over it (``ordered``: ``--batch-invariant``'s combine); ``model.tp`` already names the new
+    group. Returns how many experts this rank read from the checkpoint."""
+    wanted: dict[str, set[int]] = {}
+    for name, block in blocks:
+        experts = block.experts
+        old = block.placement.physical_to_logical if block.placement is not None else list(range(experts.num_experts))
+        part = recovery(old, ranks, lost, experts.num_experts, rank)
+        index = [r for r in range(ranks) if r not in lost].index(rank)
+        new_slots = part.placement[index * part.per_rank:(index + 1) * part.per_rank]
+        install_rows(experts, new_slots, ExpertTransfer(experts, part.moves, new_slots, group).rows())
+        experts.num_physical = len(part.placement)
+        block.placement = LayerPlacement(part.placement, experts.num_experts, experts.gate_up_proj.device)
+        block.dispatcher = DataParallelDispatcher(block.tp, experts.num_physical)
+        block.dispatcher.ordered = ordered
+        if part.loads:
+            wanted[f"{name}.experts"] = {expert for _, expert in part.loads}
+    install_dispatchers(model, "alltoall")
+    if wanted:
+        load_weights(model, ((n, t) for n, t in checkpoint_views(model_dir) if _wanted(n, wanted)), partial=True)
+    read = sum(len(experts) for experts in wanted.values())
+    logger.warning("expert-parallel rank %d serves on without rank(s) %s: %d MoE layers placed over the %d ranks "
+                   "left, %d experts read back from %s (weights a refit changed since the start are not there)",
+                   rank, sorted(lost), len(blocks), ranks - len(lost), read, model_dir)
+    return read
+
+
+def _wanted(checkpoint_name: str, wanted: dict[str, set[int]]) -> bool:
+    """Whether ``checkpoint_name`` holds an expert this rank reads back: its own tensor, or the stack of its layer
+    (``transformers`` 5's layout, which fills every slot with its expert)."""
+    module, _, _, expert = expert_weight_name(checkpoint_name)
+    return module in wanted and (expert is None or expert in wanted[module])
