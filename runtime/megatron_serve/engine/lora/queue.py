@@ -20,13 +20,19 @@ request that arrives while others wait takes no free slot ahead of them.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from .adapters import EngineLoras, Registration, adapter_root
 
 if TYPE_CHECKING:
-    from ..scheduler import Scheduler
     from ..sequence import Sequence
+
+
+class Queues(Protocol):
+    """Where a request that may run goes: the scheduler's queue (:class:`~..scheduler.Scheduler`, which holds this
+    one)."""
+
+    def add(self, sequence: Sequence) -> None: ...
 
 
 class LoraQueue:
@@ -51,7 +57,7 @@ class LoraQueue:
             return None
         return self._draining[0]
 
-    def add(self, sequence: "Sequence", registration: Registration | None, scheduler: "Scheduler",
+    def add(self, sequence: "Sequence", registration: Registration | None, scheduler: Queues,
             live: Iterable["Sequence"]) -> None:
         """Queue ``sequence`` in ``scheduler``, with its slot when it has an adapter; it waits here when none is free
         or others wait ahead of it (``live``: the engine's sequences, whose slots are taken)."""
@@ -65,7 +71,7 @@ class LoraQueue:
         self._waiting.append((sequence, registration))
         self._choose_drain(live)
 
-    def release(self, scheduler: "Scheduler", live: Iterable["Sequence"]) -> None:
+    def release(self, scheduler: Queues, live: Iterable["Sequence"]) -> None:
         """Waiting requests that a slot is free for now join ``scheduler``'s queue, in arrival order; behind one that
         still waits, only requests sharing a slot their adapter holds (not the draining one) pass."""
         still: deque[tuple["Sequence", Registration]] = deque()
