@@ -35,11 +35,11 @@ def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlo
     give them dispatchers over it (``ordered``: ``--batch-invariant``'s combine); ``model.tp`` already names the new
     group. Returns how many experts this rank read from the checkpoint."""
     wanted: dict[str, set[int]] = {}
+    index = [r for r in range(ranks) if r not in lost].index(rank)  # this survivor's rank in the new group
     for name, block in blocks:
         experts = block.experts
         old = block.placement.physical_to_logical if block.placement is not None else list(range(experts.num_experts))
         part = recovery(old, ranks, lost, experts.num_experts, rank)
-        index = [r for r in range(ranks) if r not in lost].index(rank)
         new_slots = part.placement[index * part.per_rank:(index + 1) * part.per_rank]
         install_rows(experts, new_slots, ExpertTransfer(experts, part.moves, new_slots, group).rows())
         experts.num_physical = len(part.placement)

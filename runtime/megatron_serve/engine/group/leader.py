@@ -66,12 +66,7 @@ class TensorParallelRunner(ModelRunner):
                  previous_shifts=None) -> StepResult:
         # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
-        while True:  # a step that failed with a lost rank is run again over the ranks left, from its start
-            try:
-                result = self._run_plan_once(plan, kv_caches, image_embeddings, previous_tokens)
-                break
-            except EngineGroupLost as lost:
-                self._rejoin(lost, "work")
+        result = self._pass(lambda: self._run_plan_once(plan, kv_caches, image_embeddings, previous_tokens))
         self._works += 1
         return result
 
@@ -142,10 +137,14 @@ class TensorParallelRunner(ModelRunner):
 
     def _empty_pass(self) -> None:
         """An empty MoE pass (this rank ran no forward this step, or it joins the others' redo of one)."""
+        self._pass(self._empty_pass_once)
+
+    def _pass(self, attempt: Callable[[], T]) -> T:
+        """One MoE pass (a step's forward or an empty one): where a rank was lost in it and the ranks left serve on,
+        run again over them, from its start."""
         while True:
             try:
-                self._empty_pass_once()
-                return
+                return attempt()
             except EngineGroupLost as lost:
                 self._rejoin(lost, "work")
 

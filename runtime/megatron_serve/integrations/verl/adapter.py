@@ -21,8 +21,8 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from ...client.trainer_group import trainer_init, trainer_send_weights
+from ...fleet.local_fleet import free_port
 from .replica import SERVER_NAME
-from .server import free_port
 
 #: The address the server joins the adapter's group at: the leader worker runs on the server's node.
 LOCAL = "127.0.0.1"

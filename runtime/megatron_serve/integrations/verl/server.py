@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import httpx
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from ...fleet.lifeline import Lifeline
+from ...fleet.local_fleet import free_port
 from ...server.admin import ADMIN_KEY_ENV
 
 #: verl's ``stop_reason`` for each finish reason of ``/inference/v1/generate`` (vLLM's mapping).
@@ -57,13 +57,6 @@ class ServerSettings:
                              "need the server's admin key")
         return cls(url=given.get("url"), admin_key=given.get("admin_key"), args=tuple(given.get("args") or ()),
                    startup_timeout=float(given.get("startup_timeout", 300.0)))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (the server's, and the weight group's store)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 class MegatronServeServer:
@@ -97,7 +90,7 @@ class MegatronServeServer:
         in its environment (nothing on disk or in ``ps``); its output and logs stay in a temporary directory."""
         if self.url is None:
             logs = Path(tempfile.mkdtemp(prefix=f"megatron-serve-verl-{self.replica_rank}-"))
-            port = free_port()
+            port = free_port("127.0.0.1")
             self.url = f"http://127.0.0.1:{port}"
             self.lifeline = Lifeline()
             self.log = logs / "run.out"
