@@ -13,9 +13,9 @@ vLLM and SGLang use): normal mode for prefill-sized steps, low-latency mode for 
   ``max_tokens`` tokens a rank, so steps up to the largest graph use it and larger ones normal mode.
 
 Every rank of the expert-parallel group picks the same mode in each layer, from the step's size as every rank sees
-it (:meth:`.expert_dispatch.ExpertStep.group_tokens`). DeepEP adds a token's experts in its own order, so
-``--batch-invariant`` (one rank's bits) never runs it, nor LoRA adapters on the experts (the received rows do not
-say which of this rank's adapter rows they are).
+it (:meth:`StepSize.group_tokens`, of the step's :class:`.dispatch.ExpertStep`). DeepEP adds a token's experts in its
+own order, so ``--batch-invariant`` (one rank's bits) never runs it, nor LoRA adapters on the experts (the received
+rows do not say which of this rank's adapter rows they are).
 
 The layout conversions before and after the kernels (:func:`low_latency_rows`, :func:`normal_pairs`,
 :func:`normal_sum`) are plain tensor code; ``deep_ep`` is imported only where a backend asks for it
@@ -24,17 +24,23 @@ The layout conversions before and after the kernels (:func:`low_latency_rows`, :
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .capacity_dispatcher import chunk_bounds
-from .dispatch import ExpertStep
 from ..parallel import TensorParallel
 from .token_dispatcher import Dispatched, gather_chunks
 
 #: Hidden sizes DeepEP's low-latency kernels are compiled for (its ``SWITCH_HIDDEN``).
 LOW_LATENCY_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+
+
+class StepSize(Protocol):
+    """What a DeepEP dispatcher reads of the step its layer runs in: the step's size as every rank of the group sees
+    it. :class:`.dispatch.ExpertStep` is one; its module picks the layer's dispatcher, so it stands above this one."""
+
+    def group_tokens(self, local: int) -> int: ...
 
 
 def low_latency_rows(packed: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +106,7 @@ class DeepEPDispatcher:
     (as the other dispatchers do), in low-latency mode while the step's group size is at most ``low_latency_limit``
     tokens (0: never), else in normal mode."""
 
-    def __init__(self, tp: TensorParallel, num_experts: int, buffers: DeepEPBuffers, step: ExpertStep,
+    def __init__(self, tp: TensorParallel, num_experts: int, buffers: DeepEPBuffers, step: StepSize,
                  low_latency_limit: int):
         self.tp, self.num_experts, self.buffers, self.step = tp, num_experts, buffers, step
         self.low_latency_limit = low_latency_limit
