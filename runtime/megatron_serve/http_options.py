@@ -2,7 +2,7 @@
 
 :class:`HTTPOptions` is built once from the command line (:meth:`HTTPOptions.from_args`, vLLM's
 flags among them: ``--tool-call-parser``, ``--allowed-origins``, ``--enable-log-requests`` ...) or
-given to ``create_app`` / ``MegatronAsyncLLM.serve`` directly. It is light (no FastAPI) so that the
+given to ``create_app`` / ``serve_async_llm`` directly. It is light (no FastAPI) so that the
 commands can build and check it before anything starts.
 """
 

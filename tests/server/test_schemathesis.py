@@ -1,6 +1,6 @@
 """Property-based check of ``/openapi.json``: schemathesis generates requests, the server must keep its promises.
 
-The server here is ``MegatronAsyncLLM.serve()`` in direct mode (a real tiny engine in this
+The server here is ``serve_async_llm`` over a ``MegatronAsyncLLM`` in direct mode (a real tiny engine in this
 process, on its own event-loop thread), with the context capped at 64 tokens so every generated
 request is cheap. Checked on every case: no 5xx, status codes, content types, headers and bodies as
 documented, and schema-violating requests rejected (400). Not checked: that every schema-valid
@@ -24,6 +24,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from megatron_serve.client.async_llm import MegatronAsyncLLM
 from megatron_serve.config import InferenceConfig
+from megatron_serve.server import serve_async_llm
 from megatron_serve.server.rl import RL_ADMIN_PATHS
 
 from ..helpers import http_get
@@ -46,7 +47,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served_url(tiny_model):
-    """``MegatronAsyncLLM.serve()`` on a background loop; yields the base URL."""
+    """``serve_async_llm`` on a background loop; yields the base URL."""
     port = _free_port()
     loop = asyncio.new_event_loop()
     llm = MegatronAsyncLLM(tiny_model, InferenceConfig(max_sequence_length=64, num_kv_blocks=256, max_requests=32))
@@ -54,7 +55,7 @@ def served_url(tiny_model):
 
     def main() -> None:
         asyncio.set_event_loop(loop)
-        task_holder["task"] = loop.create_task(llm.serve("127.0.0.1", port))
+        task_holder["task"] = loop.create_task(serve_async_llm(llm, "127.0.0.1", port))
         try:
             loop.run_until_complete(task_holder["task"])
         except asyncio.CancelledError:
@@ -73,7 +74,7 @@ def served_url(tiny_model):
                 break
         except httpx.TransportError:
             pass
-        assert thread.is_alive(), "serve() died during start-up"
+        assert thread.is_alive(), "serve_async_llm died during start-up"
         assert time.monotonic() < deadline, "serve() did not become ready"
         time.sleep(0.05)
         time.sleep(0.1)

@@ -2,9 +2,9 @@
 
 :class:`LocalEngineClient` is one of the two implementations of
 :class:`~megatron_serve.client.engine_client.EngineClient` (the other is the coordinator client): what
-``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves from
-``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
-included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
+``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves of a direct-mode
+``MegatronAsyncLLM`` (``megatron_serve.server.serve_async_llm``). The engine is not thread-safe, so every call into
+it (tokenization included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
 to the callers' event loops; the text is made there (decoding only reads the tokenizer, which its
 Rust core allows from any thread). There is no fleet here: the fleet's lifecycle verbs raise ``NoFleet``; ``refit`` loads new
 weights between two steps (one replica, nothing can disagree).

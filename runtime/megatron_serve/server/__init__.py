@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (docs/reference/http-api.md).
 
 ``create_app`` builds the FastAPI app over an ``InferenceClient`` (or anything with its
-interface); ``serve_app`` runs an app on uvicorn; ``serve_async_llm`` is what
-``MegatronAsyncLLM.serve()`` calls. Submodules have one job each: ``models`` (request and response
+interface); ``serve_app`` runs an app on uvicorn; ``serve_async_llm`` serves a
+``MegatronAsyncLLM`` in this process. Submodules have one job each: ``models`` (request and response
 bodies), ``errors`` (the OpenAI error shape), ``translate`` (bodies to engine requests),
 ``generation`` (submitting, streaming and aborting), ``completions`` / ``chat`` (the two
 endpoints), ``fleet`` (the coordinator's status), ``metrics`` (Prometheus), ``streaming`` (SSE and

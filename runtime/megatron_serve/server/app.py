@@ -2,7 +2,7 @@
 
 :func:`create_app` is the only constructor. The same app serves ``megatron-serve server`` (a
 client of a remote coordinator), ``megatron-serve run`` (a local fleet) and
-``MegatronAsyncLLM.serve()`` (in-process), so that all three behave identically.
+``serve_async_llm`` (a ``MegatronAsyncLLM`` in-process), so that all three behave identically.
 
 ``/v1/*`` needs the API key when one is configured; ``/health``, ``/ready`` and ``/metrics`` never
 do, because Kubernetes probes and Prometheus scrapers carry no credentials.

@@ -1,4 +1,5 @@
-"""Serving a ``MegatronAsyncLLM`` in-process: what ``MegatronAsyncLLM.serve()`` runs.
+"""Serving a ``MegatronAsyncLLM`` in-process (:func:`serve_async_llm`): the Python API's HTTP server, kept here on
+the server's side so that the client never imports the server.
 
 The app serves the object's engine client (:mod:`megatron_serve.client.engine_client`) as it is, in either
 mode: the coordinator client, or the in-process engine with its ``STATUS``-shaped counters.
