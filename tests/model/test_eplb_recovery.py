@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from megatron_serve.model.experts.eplb import identity_plan, plan_layer
-from megatron_serve.model.experts.eplb_recovery import recovery, survivor_plan
+from megatron_serve.model.experts.eplb_recovery import members_plan, recovery, relocation, survivor_plan
 
 
 def simulate(old: list[int], ranks: int, lost: set[int], experts: int) -> list[int]:
@@ -71,3 +71,29 @@ def test_refusals_name_the_ranks():
         survivor_plan(list(range(8)), 2, {0, 1}, 8)
     with pytest.raises(ValueError, match=r"rank 1 is among the lost ranks \[1\]"):
         recovery(list(range(8)), 2, {1}, 8, 1)
+
+
+@pytest.mark.parametrize("size, members, experts", [(4, [0, 1, 3], 8), (4, [0, 1, 2, 3], 8), (4, [0, 3], 8),
+                                                    (3, [0, 2], 6), (8, [1, 2, 5, 6, 7], 16)])
+def test_a_planned_change_places_every_expert_over_the_members_from_what_each_holds_and_the_checkpoint(
+        size, members, experts):
+    placement = members_plan(size, members, experts)
+    assert set(placement) == set(range(experts))
+    per_rank = len(placement) // len(members)
+    if len(members) == size:
+        assert placement == list(range(experts))  # back to placement by index at full size
+    for index in range(len(members)):
+        held = list(range(index, index + 3))  # whatever a rank holds now
+        part = relocation(held, placement, len(members), index)
+        result: list[int | None] = [None] * per_rank
+        for old_slot, new_slot in part.moves.local:
+            result[new_slot] = held[old_slot]
+        for slot, expert in part.loads:
+            assert result[slot] is None and expert not in held
+            result[slot] = expert
+        assert result == placement[index * per_rank:(index + 1) * per_rank]
+        assert not any(part.moves.sends) and not any(part.moves.receives)
+
+
+def test_a_joiner_computes_the_placement_the_members_use_from_the_membership_alone():
+    assert members_plan(4, [0, 1, 3], 8) == survivor_plan(list(range(8)), 4, [2], 8)

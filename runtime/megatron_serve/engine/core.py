@@ -389,7 +389,7 @@ def _group_leader(cls: type[DynamicInferenceEngine], model_dir: str | Path, conf
     try:
         model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
         buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
-        survival = GroupSurvival(model, channel, model_dir) if survivable(config) else None
+        survival = GroupSurvival(model, channel, model_dir, config) if survivable(config) else None
         runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
                                       graphs_for(model, config, buffers), survival)
         return cls(model, tokenizer, config, runner, model_dir)

@@ -2,7 +2,8 @@
 its placement over the ranks left (:mod:`megatron_serve.model.experts.eplb_recovery`), its experts moved among the
 survivors over the new group and the ones only the lost ranks held read from the checkpoint, then its map and its
 dispatcher are those of the new placement. Every survivor calls it once, with the same arguments but its own rank,
-after :func:`.group.regroup.regroup` formed the new group.
+after :func:`.group.regroup.regroup` formed the new group. A planned change (a rank joins, ranks leave:
+:mod:`.group.membership`) places them over the new members instead (:func:`place_for_members`).
 
 The experts read back come from the model directory: weights a refit changed since the start are not in it, so a
 group that was refitted from a trainer recovers the lost experts' weights of the checkpoint (the refit's epoch is then
@@ -19,7 +20,7 @@ import torch
 
 from ..model.experts.dispatch import install_dispatchers
 from ..model.experts.eplb import LayerPlacement
-from ..model.experts.eplb_recovery import recovery
+from ..model.experts.eplb_recovery import Recovery, members_plan, recovery, relocation
 from ..model.experts.moe import SparseMoeBlock, expert_weight_name
 from ..model.experts.moves import ExpertTransfer, install_rows
 from ..model.experts.token_dispatcher import DataParallelDispatcher
@@ -34,12 +35,41 @@ def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlo
     ``ranks``) to their placements over the ranks not in ``lost``, over ``group`` (the survivors' new group), and
     give them dispatchers over it (``ordered``: ``--batch-invariant``'s combine); ``model.tp`` already names the new
     group. Returns how many experts this rank read from the checkpoint."""
-    wanted: dict[str, set[int]] = {}
     index = [r for r in range(ranks) if r not in lost].index(rank)  # this survivor's rank in the new group
-    for name, block in blocks:
+    parts = []
+    for _, block in blocks:
         experts = block.experts
         old = block.placement.physical_to_logical if block.placement is not None else list(range(experts.num_experts))
-        part = recovery(old, ranks, lost, experts.num_experts, rank)
+        parts.append(recovery(old, ranks, lost, experts.num_experts, rank))
+    read = _install(model, blocks, parts, index, ordered, model_dir, group)
+    logger.warning("expert-parallel rank %d serves on without rank(s) %s: %d MoE layers placed over the %d ranks "
+                   "left, %d experts read back from %s (weights a refit changed since the start are not there)",
+                   rank, sorted(lost), len(blocks), ranks - len(lost), read, model_dir)
+    return read
+
+
+def place_for_members(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlock]], ordered: bool,
+                      model_dir: str | Path, size: int, members: list[int], rank: int, group: object) -> int:
+    """A planned change's placement (:func:`~megatron_serve.model.experts.eplb_recovery.members_plan` over
+    ``members``, data-parallel ranks of a group started with ``size``; this one: ``rank``): each rank keeps what it
+    holds of its new slots and reads the rest from the checkpoint; every member of ``group`` calls it together.
+    Returns how many experts this rank read."""
+    index = members.index(rank)
+    parts = [relocation(block.experts.slots, members_plan(size, members, block.experts.num_experts), len(members),
+                        index) for _, block in blocks]
+    read = _install(model, blocks, parts, index, ordered, model_dir, group)
+    logger.warning("expert-parallel rank %d: %d MoE layers placed over the %d ranks %s, %d experts read from %s",
+                   rank, len(blocks), len(members), members, read, model_dir)
+    return read
+
+
+def _install(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlock]], parts: list[Recovery], index: int,
+             ordered: bool, model_dir: str | Path, group: object) -> int:
+    """Each block to its part's placement (rank ``index``'s slots; moves over ``group``, the rest from
+    ``model_dir``), with dispatchers over the group ``model.tp`` names; how many experts were read."""
+    wanted: dict[str, set[int]] = {}
+    for (name, block), part in zip(blocks, parts):
+        experts = block.experts
         new_slots = part.placement[index * part.per_rank:(index + 1) * part.per_rank]
         install_rows(experts, new_slots, ExpertTransfer(experts, part.moves, new_slots, group).rows())
         experts.num_physical = len(part.placement)
@@ -51,11 +81,7 @@ def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlo
     install_dispatchers(model, "alltoall")
     if wanted:
         load_weights(model, ((n, t) for n, t in checkpoint_views(model_dir) if _wanted(n, wanted)), partial=True)
-    read = sum(len(experts) for experts in wanted.values())
-    logger.warning("expert-parallel rank %d serves on without rank(s) %s: %d MoE layers placed over the %d ranks "
-                   "left, %d experts read back from %s (weights a refit changed since the start are not there)",
-                   rank, sorted(lost), len(blocks), ranks - len(lost), read, model_dir)
-    return read
+    return sum(len(experts) for experts in wanted.values())
 
 
 def _wanted(checkpoint_name: str, wanted: dict[str, set[int]]) -> bool:

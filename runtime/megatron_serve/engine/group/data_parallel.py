@@ -33,12 +33,12 @@ from ...model.experts.moe import SparseMoeBlock
 from .turns import Turn
 
 
-def agree_turn(leaders: object, busy: bool, holding: bool) -> Turn:
-    """Whether any data-parallel rank has work, and whether every one holds a verb that joins them all (every leader
-    calls this once per turn of its step loop)."""
-    flags = torch.tensor([int(busy), int(not holding)], dtype=torch.int64)
+def agree_turn(leaders: object, busy: bool, holding: bool, change: bool = False) -> Turn:
+    """Whether any data-parallel rank has work, whether every one holds a verb that joins them all, and whether one
+    (the leader) saw a planned change asked for (every leader calls this once per turn of its step loop)."""
+    flags = torch.tensor([int(busy), int(not holding), int(change)], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=leaders)
-    return Turn(bool(flags[0].item()), not flags[1].item())
+    return Turn(bool(flags[0].item()), not flags[1].item(), bool(flags[2].item()))
 
 
 def agree_tokens(leaders: object, tokens: int) -> int:

@@ -2,10 +2,12 @@
 to the group's other ranks (:mod:`.channel`) before acting on it itself, and gathers what they report of a refit or
 a peer pull. A collective that fails means the group broke: :class:`~megatron_serve.errors.EngineGroupLost`, unless
 the data-parallel ranks left serve on (:mod:`.survival`): the runner counts the turns and passes it completed, so that
-they can agree where each stopped (:mod:`.regroup`), and resumes there."""
+they can agree where each stopped (:mod:`.regroup`), and resumes there. A planned change (a rank joins, ranks leave:
+:mod:`.membership`) is taken at a turn the leaders agree on, and that turn agreed again in the new group."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from typing import Callable, TypeVar
 
@@ -29,9 +31,11 @@ from .kv_tier import GroupCopier
 from .placement import release_groups
 from .regroup import Progress, Resume
 from .survival import GroupSurvival
-from .turns import Turn
+from .turns import LeftGroup, Turn
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -92,17 +96,27 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("resume", restore)
 
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        if self.survival is not None and self.survival.joining:  # started for a running group: taken in first
+            self.survival.join()
         if self.channel.leaders is None:
             return Turn(busy, holding)
         while True:
+            change = self.survival is not None and self.survival.change_pending()
             try:
-                turn = self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding))
-                break
+                turn = self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding, change))
             except EngineGroupLost as lost:
                 resume = self._rejoin(lost, "turn")
-                if resume.adopt is not None:  # the others agreed this turn before the loss: theirs is this rank's
-                    turn = resume.adopt
-                    break
+                if resume.adopt is None:
+                    continue
+                turn = resume.adopt  # the others agreed this turn before the loss: theirs is this rank's
+            if not turn.change:
+                break
+            try:
+                self.survival.change()  # every member at this turn; then the turn is agreed again, joiners with them
+            except LeftGroup as left:  # scale-ep: its requests were handed back first; the process ends as a STOP's
+                logger.warning("%s; exiting", left)
+                raise SystemExit(0) from None
+            self._turns = self._works = 0  # a new group: every member counts from here (.regroup compares them)
         self._turns += 1
         self._last_turn = turn
         return turn

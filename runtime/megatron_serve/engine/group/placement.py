@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ...config import InferenceConfig
 from ...model.parallel import DataParallel, PipelineStage, TensorParallel
 from .channel import PlanChannel
+from .membership import Membership
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
 
@@ -126,8 +127,7 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
         if store is None:  # rank 0 binds the port (at once or not at all), the others connect until the time-out;
             # torchrun's convention: an agent that hosts the store already says so, and rank 0 connects to it too
             hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(placement.master_addr, placement.master_port, placement.world_size,
-                                  is_master=rank == 0 and not hosted, wait_for_workers=False, timeout=timeout)
+            store = client_store(placement, master=rank == 0 and not hosted)
         dist.init_process_group(backend, store=store, rank=rank, world_size=placement.world_size, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to fix
         waited = time.monotonic() - began
@@ -148,6 +148,26 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
     stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
                            stage=stage, gathered_rows=config.gathers_rows), PlanChannel(plans))
+
+
+def client_store(placement: Placement, master: bool = False) -> dist.TCPStore:
+    """The group's rendezvous store at ``MASTER_ADDR:MASTER_PORT`` (hosted here with ``master``), connected to
+    within the rendezvous timeout."""
+    return dist.TCPStore(placement.master_addr, placement.master_port, placement.world_size, is_master=master,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+
+
+def joiner_groups(config: InferenceConfig, running: Membership, store: dist.Store
+                  ) -> tuple[TensorParallel, PlanChannel]:
+    """A data-parallel rank that joins a ``running`` group, before it is taken in: its place in the membership it
+    will have (the members and itself), to load its experts by, and no process group yet (its engine's start runs
+    no collective; the groups come with the join)."""
+    members = sorted({*running.members, config.data_parallel_rank})
+    tp = TensorParallel(expert_parallel=True, gathered_rows=config.gathers_rows,
+                        data_parallel=DataParallel(members.index(config.data_parallel_rank), len(members), None))
+    channel = PlanChannel(None)
+    channel.rendezvous = store
+    return tp, channel
 
 
 def join_data_parallel(rank: int, size: int, dp: int, backend: str, gathered_rows: bool = False

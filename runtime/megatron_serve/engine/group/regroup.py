@@ -44,13 +44,15 @@ POLL_S = 0.01
 class Progress:
     """Where a data-parallel rank stopped: ``turns`` agreements of its step loop and ``works`` MoE passes (a step's
     forward or an empty pass, one per turn that stepped) completed, the phase whose collective failed (``"turn"``:
-    the next agreement; ``"work"``: the next pass), and what its last completed agreement said (``step``, ``verb``)."""
+    the next agreement; ``"work"``: the next pass), and what its last completed agreement said (``step``, ``verb``,
+    ``change``)."""
 
     turns: int
     works: int
     phase: str
     step: bool = False
     verb: bool = False
+    change: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def resume_from(mine: Progress, everyone: list[Progress]) -> Resume:
     adopt = None
     if mine.phase == "turn" and mine.turns < turns:
         ahead = next(p for p in everyone if p.turns == turns)
-        adopt = Turn(ahead.step, ahead.verb)
+        adopt = Turn(ahead.step, ahead.verb, ahead.change)
     return Resume(assist, adopt, max(p.works + (p.phase == "work") for p in everyone))
 
 

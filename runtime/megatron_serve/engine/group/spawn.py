@@ -31,8 +31,10 @@ from ...config import InferenceConfig
 from ...model.parallel import TensorParallel
 from .channel import PlanChannel
 from .follower import run_worker
-from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, data_parallel_placement, host_store,
-                        join_group, placement_for, rank_device, reserve_rendezvous)
+from .membership import running
+from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, client_store, data_parallel_placement,
+                        host_store, join_group, joiner_groups, placement_for, rank_device, reserve_rendezvous)
+from .survival import survivable
 
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
 REIMPORTED_MAIN_EXIT = 3
@@ -179,7 +181,9 @@ def wait_started(workers: list[multiprocessing.Process], started: list[multiproc
 
 def start_rank_zero(model_dir: str, config: InferenceConfig
                     ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
-    """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
+    """Start this machine's other ranks and join the group as rank 0 (when this machine holds it). A data-parallel
+    rank started for a group that already formed (a lost rank's restart) meets no one here: it gets groups to load
+    its model with, and joins the group at its first turn (:meth:`.survival.GroupSurvival.join`)."""
     refuse_reimported_main()
     dp = config.data_parallel_size > 1
     placement = data_parallel_placement(config) if dp else placement_for(config.world_size)
@@ -199,6 +203,12 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
     device = rank_device(0, config)
     try:
         store = host_store(listener, placement) if listener is not None else None
+        if store is None and dp and survivable(config) and not placement.hosts_rank_zero:
+            store = client_store(placement)
+            joined = running(store)
+            if joined is not None:  # started for a group that formed without it: it joins at its first turn
+                tp, channel = joiner_groups(config, joined, store)
+                return tp, channel, device, workers
         tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
     except BaseException:
         abandon_group(workers)

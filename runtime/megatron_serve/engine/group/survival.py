@@ -30,10 +30,13 @@ import torch.distributed as dist
 from ...config import InferenceConfig
 from ...errors import EngineGroupLost
 from ...model.experts.moe import SparseMoeBlock
-from ..expert_recovery import recover_experts
+from ..expert_recovery import place_for_members, recover_experts
 from .channel import PlanChannel
+from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_admission, plan_change,
+                         read_change)
 from .placement import RENDEZVOUS_TIMEOUT_S, join_data_parallel, release_groups
 from .regroup import Progress, Resume, regroup
+from .turns import LeftGroup
 
 logger = logging.getLogger(__name__)
 
@@ -49,48 +52,122 @@ def survivable(config: InferenceConfig) -> bool:
 
 
 class GroupSurvival:
-    """One data-parallel rank's way to serve on after a loss (see the module docstring)."""
+    """One data-parallel rank's way to serve on after a loss, and to take part in a planned change: a rank that
+    joins, ranks that leave (:mod:`.membership`; see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, channel: PlanChannel, model_dir: str | Path):
+    def __init__(self, model: torch.nn.Module, channel: PlanChannel, model_dir: str | Path, config: InferenceConfig):
         self.model, self.channel, self.model_dir = model, channel, model_dir
-        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
-        self.generation = 0
+        self.dp_rank, self.size = config.data_parallel_rank, config.data_parallel_size
+        self.store = channel.rendezvous
+        self.joining = not dist.is_initialized()  # started for a running group: it joins at its first turn
+        self.generation, self.members = 0, list(range(self.size))
         # the MoE layers whose tokens cross ranks (each holds a dispatcher from the start under data parallelism)
         self.blocks = [(name, m) for name, m in model.named_modules()
                        if isinstance(m, SparseMoeBlock) and m.dispatcher is not None]
+        self.watch: ChangeWatch | None = None
+        if not self.joining:
+            self._formed()
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the current generation's group."""
+        return self.members.index(self.dp_rank)
+
+    def _formed(self) -> None:
+        """A generation formed with this rank in it: its leader publishes the membership and watches for changes."""
+        self.watch = None
+        if self.rank == 0:
+            announce(self.store, Membership(self.generation, self.members, self.size))
+            self.watch = ChangeWatch(self.store)
+
+    def change_pending(self) -> bool:
+        """Whether the leader sees a change asked for (one cheap store read, at most every few turns)."""
+        return self.watch is not None and self.watch.pending()
 
     def rejoin(self, cause: BaseException, progress: Progress) -> Resume:
         """Form the survivors' group, serve on in it, and say how this rank rejoins the others (it stopped at
         ``progress``); :class:`~megatron_serve.errors.EngineGroupLost` where this rank cannot (the rendezvous store's
         process was the one lost, no rank left beside this one, a survivor that did not say where it stopped)."""
         self.generation += 1
+        rank, ranks = self.rank, len(self.members)
         logger.warning("expert-parallel rank %d of %d: a collective failed at %s (%s); regrouping with the ranks left",
-                       self.rank, self.ranks, progress, cause)
-        ordered = self.blocks[0][1].dispatcher.ordered
-        self._release(cause)
+                       rank, ranks, progress, cause)
+        ordered = self._release(cause)
         try:
-            new = regroup(self.channel.rendezvous, self.generation, self.rank, self.ranks, progress, REGROUP_WAIT_S,
+            new = regroup(self.store, self.generation, rank, ranks, progress, REGROUP_WAIT_S,
                           datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - alone, late, the store's process gone, or no new group formed
             raise EngineGroupLost(f"data-parallel attention ranks lost one of them and could not regroup: {exc}"
                                   ) from cause
-        lost = sorted(set(range(self.ranks)) - set(new.members))
-        tp, channel = join_data_parallel(new.rank, 1, len(new.members), "gloo", self.model.tp.gathered_rows)
+        lost = sorted(set(range(ranks)) - set(new.members))
+        self._join_groups(new.rank, len(new.members))
+        recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank, dist.group.WORLD)
+        logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", rank,
+                       new.rank, len(new.members), lost, new.resume)
+        self.members = [self.members[r] for r in new.members]
+        self._formed()
+        return new.resume
+
+    def change(self) -> None:
+        """The turn the members agreed for a planned change: the leader plans the next membership, every member
+        reads it, the ones that stay (and the ranks that join) form its group; :class:`.turns.LeftGroup` for a rank
+        that leaves."""
+        if self.watch is not None:
+            self.watch.taken()
+            plan = plan_change(self.store, Membership(self.generation, self.members, self.size))
+        else:
+            plan = read_change(self.store, self.generation + 1, REGROUP_WAIT_S)
+        if plan.members == self.members:  # only asks refused: the group stays as it is
+            self.generation = plan.generation
+            return
+        ordered = self._release(None)
+        dist.destroy_process_group()
+        if self.dp_rank not in plan.members:
+            logger.warning("expert-parallel rank %d leaves the group (generation %d: ranks %s)", self.dp_rank,
+                           plan.generation, plan.members)
+            raise LeftGroup(f"data-parallel rank {self.dp_rank} left the expert-parallel group")
+        self._enter(plan, ordered)
+
+    def join(self) -> None:
+        """This engine's first turn, started for a running group: ask to join, wait (bounded) until the members take
+        it in at a step boundary, and form the next generation's group with them."""
+        token = ask_to_join(self.store, self.dp_rank)
+        logger.warning("expert-parallel rank %d asks to join the running group", self.dp_rank)
+        plan = await_admission(self.store, token, REGROUP_WAIT_S)
+        if self.dp_rank not in plan.members:
+            raise EngineGroupLost(f"data-parallel rank {self.dp_rank} was answered without it: {plan.members}")
+        ordered = self.blocks[0][1].dispatcher.ordered
+        self.joining = False
+        self._enter(plan, ordered)
+
+    def _enter(self, plan: Membership, ordered: bool) -> None:
+        """Form ``plan``'s group (this rank is a member) and place the experts over it."""
+        self.generation, self.members = plan.generation, plan.members
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"regroup/{plan.generation}/group/", self.store),
+                                rank=self.rank, world_size=len(self.members),
+                                timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        self._join_groups(self.rank, len(self.members))
+        place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size, self.members, self.dp_rank,
+                          dist.group.WORLD)
+        logger.warning("expert-parallel rank %d is rank %d of %d in generation %d (ranks %s)", self.dp_rank, self.rank,
+                       len(self.members), self.generation, self.members)
+        self._formed()
+
+    def _join_groups(self, rank: int, ranks: int) -> None:
+        """The data-parallel groups over the new default group, into the model (one
+        :class:`~megatron_serve.model.parallel.TensorParallel` that every layer shares) and the channel."""
+        tp, channel = join_data_parallel(rank, 1, ranks, "gloo", self.model.tp.gathered_rows)
         for name in ("group", "data_parallel"):  # the layers share this one object: they all see the new groups
             object.__setattr__(self.model.tp, name, getattr(tp, name))
         self.channel.group, self.channel.leader = channel.group, channel.leader
         self.channel.device_group, self.channel.leaders = channel.device_group, channel.leaders
-        recover_experts(self.model, self.blocks, ordered, self.model_dir, self.ranks, lost, self.rank,
-                        dist.group.WORLD)
-        logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", self.rank,
-                       new.rank, len(new.members), lost, new.resume)
-        self.rank, self.ranks = new.rank, len(new.members)
-        return new.resume
 
-    def _release(self, cause: BaseException) -> None:
+    def _release(self, cause: BaseException | None) -> bool:
         """Drop every reference this process holds to the broken groups, so that leaving them closes their sockets
         (a group still referenced keeps them open, and a survivor blocked on this rank waits out the collective
-        timeout): the model's and the channel's groups, the dispatchers', the failed collective's frames."""
+        timeout): the model's and the channel's groups, the dispatchers', the failed collective's frames. Returns
+        whether the dispatchers combined in order (``--batch-invariant``), for their successors."""
+        ordered = self.blocks[0][1].dispatcher.ordered
         seen: set[int] = set()
         link: BaseException | None = cause
         while link is not None and id(link) not in seen:  # the chain's frames too: a collective's locals name its group
@@ -102,3 +179,4 @@ class GroupSurvival:
         self.model.expert_step = None
         release_groups(self.model.tp, self.channel)
         gc.collect()
+        return ordered

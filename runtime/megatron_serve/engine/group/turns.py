@@ -15,6 +15,12 @@ class Turn(NamedTuple):
 
     step: bool  # some rank has work: every rank steps
     verb: bool  # every rank holds a verb that joins them all (:class:`HeldVerb`): every rank acts on it now
+    change: bool = False  # the leader saw a planned change asked for (.membership): every rank takes it now
+
+
+class LeftGroup(Exception):
+    """This data-parallel rank left its expert-parallel group in a planned change (``scale-ep``): its engine
+    process ends, its requests handed back before."""
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,24 @@ def recovery(old: Sequence[int], ranks: int, lost: Collection[int], num_experts:
     moves = plan_moves(kept, placement, len(survivors), index, missing)
     mine = placement[index * per_rank:(index + 1) * per_rank]
     return Recovery(placement, per_rank, moves, [(slot, e) for slot, e in enumerate(mine) if e in missing])
+
+
+def members_plan(size: int, members: Collection[int], num_experts: int) -> list[int]:
+    """The physical-to-logical map of a group started with ``size`` ranks (experts by index) that now has
+    ``members``: :func:`survivor_plan` as if every other rank were lost, so that it depends on the membership alone
+    (a joiner computes it without the group's history, and a group back at full size is back at placement by
+    index)."""
+    return survivor_plan(list(range(num_experts)), size, [r for r in range(size) if r not in members], num_experts)
+
+
+def relocation(held: Sequence[int], placement: Sequence[int], ranks: int, index: int) -> Recovery:
+    """Rank ``index``'s (of ``ranks``) way from the experts it ``held`` (one per slot) to its slots of
+    ``placement``: the experts it holds copied from its own slots, the others read from the checkpoint (a planned
+    change's: a joiner holds none, so none can be moved to it from ranks that may have left)."""
+    per_rank = len(placement) // ranks
+    mine = placement[index * per_rank:(index + 1) * per_rank]
+    own = {expert: slot for slot, expert in reversed(list(enumerate(held)))}
+    local = [(own[expert], slot) for slot, expert in enumerate(mine) if expert in own]
+    loads = [(slot, expert) for slot, expert in enumerate(mine) if expert not in own]
+    return Recovery(list(placement), per_rank, Moves(local, [[] for _ in range(ranks)], [[] for _ in range(ranks)]),
+                    loads)
