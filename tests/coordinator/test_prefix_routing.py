@@ -272,7 +272,7 @@ async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_le
         await client.add_request(shared + [99], params)
         holder_id = next(eid for eid in list(fleet.coordinator.core.engines) if policy.history_size(eid))
 
-        leaving = next(p for p in procs if p.engine_id == holder_id)
+        leaving = next(p for p in procs if p.shell.engine_id == holder_id)
         leaving.sigterm = True  # drains (forgotten at once), hands back nothing, leaves
         await until(lambda: policy.history_size(holder_id) == 0, 10, "the draining engine forgotten")
         await until(lambda: holder_id not in fleet.coordinator.core.engines, 20, "the engine to leave")

@@ -31,7 +31,7 @@ HEARTBEAT = 0.1  # engines heartbeat often, so a small stall timeout has a wide 
 
 def republish(proc: EngineProcess, progress) -> None:
     """Make ``proc``'s heartbeats report ``progress(proc)`` instead of its loop count (None: leave it out)."""
-    publish = proc.publish_stats
+    publish = proc.shell.publish_stats
 
     def publish_other(force: bool = False) -> None:
         publish(force)
@@ -39,7 +39,7 @@ def republish(proc: EngineProcess, progress) -> None:
         value = progress(proc)
         proc.link.stats = stats if value is None else {**stats, "progress": value}
 
-    proc.publish_stats = publish_other
+    proc.shell.publish_stats = publish_other
 
 
 async def engines_by_id(client: InferenceClient) -> dict[str, dict]:
@@ -102,7 +102,7 @@ async def test_idle_engine_is_kept_and_its_clock_starts_with_work(fleet_factory)
     for idling, nor as soon as it gets work after a long idle time."""
     fleet = fleet_factory(stall_timeout=1.0)
     proc, _, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT, step_delay=0.05)
-    republish(proc, lambda p: p.steps)
+    republish(proc, lambda p: p.shell.steps)
     async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         [engine_id] = await engine_ids(client)

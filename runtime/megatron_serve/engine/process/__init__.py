@@ -14,9 +14,11 @@ Two threads with one job each:
 The shell does no verb's work: it checks a verb against the lifecycle table and hands it to the engine
 (``engine.call(step, body)``, :mod:`megatron_serve.engine.verbs`), then acknowledges with what the engine answered;
 so vLLM's ``EngineCoreProc`` (the loop, its sockets) stands apart from ``EngineCore``. One module per job of the
-loop: :mod:`.loop` (the loop, a step and its report, a verb's dispatch), :mod:`.inbox` (what the coordinator sent),
-:mod:`.registration` (a registration, first or again), :mod:`.drain` (draining and the hand-back), :mod:`.stats`
-(what the next heartbeat says).
+loop: :mod:`.loop` (the loop), :mod:`.inbox` (what the coordinator sent), :mod:`.registration` (a registration,
+first or again), :mod:`.verb` (a verb's dispatch), :mod:`.drain` (draining and the hand-back), :mod:`.stats` (what
+the next heartbeat says); beneath them all :mod:`.shell` (where the process stands with its coordinator, and the
+acts the jobs share: send, acknowledge, a step and its report, the heartbeat's refresh), so that the loop imports
+its jobs, the jobs import the shell, and nothing imports back.
 
 SIGTERM: send DRAINING (the coordinator stops routing here), keep stepping until the work is done
 or ``drain_timeout`` passes, hand the rest back (the coordinator re-queues it, continuing from the

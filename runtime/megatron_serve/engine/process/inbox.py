@@ -16,9 +16,10 @@ from ...wire.protocol import HEADER_VERBS, Header
 from ...wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 from ..group.turns import held
 from .registration import on_registered
+from .verb import on_verb
 
 if TYPE_CHECKING:
-    from .loop import EngineProcess
+    from .shell import Shell
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -31,9 +32,9 @@ _ENGINE_REQUEST = msgspec.msgpack.Decoder(EngineRequest)
 _REQUEST_ID = msgspec.msgpack.Decoder(_Named)  # what names a request this engine cannot read
 
 
-def handle_inbox(proc: EngineProcess, timeout: float) -> None:
+def handle_inbox(shell: Shell, timeout: float) -> None:
     """Everything queued now, waiting up to ``timeout`` for the first (0: not at all)."""
-    inbox = proc.link.inbox
+    inbox = shell.link.inbox
     try:
         event = inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait()
     except queue.Empty:
@@ -41,37 +42,37 @@ def handle_inbox(proc: EngineProcess, timeout: float) -> None:
     while True:
         kind = event[0]
         if kind == "fatal":
-            proc.fatal = event[1]
+            shell.fatal = event[1]
             return
         if kind == "registered":
-            on_registered(proc, event[1], event[2])
-        elif kind == "message" and event[3] == proc.session:
-            _on_coordinator(proc, event[1], event[2])
+            on_registered(shell, event[1], event[2])
+        elif kind == "message" and event[3] == shell.session:
+            _on_coordinator(shell, event[1], event[2])
         try:
             event = inbox.get_nowait()
         except queue.Empty:
             return
 
 
-def _on_coordinator(proc: EngineProcess, header: Header, body: Any) -> None:
-    engine = proc.engine
+def _on_coordinator(shell: Shell, header: Header, body: Any) -> None:
+    engine = shell.engine
     if header is Header.ENGINE_SUBMIT:
-        _add(proc, body)
+        _add(shell, body)
     elif header is Header.KV_BLOCKS:
         engine.kv_in(body)
     elif header is Header.ABORT:
         engine.abort_request(body.request_id)
     elif header is Header.HANDBACK:
-        proc.handback_acked = True
+        shell.handback_acked = True
     elif header in HEADER_VERBS and (verb := held(header, body)) is not None:
-        proc.held = verb  # run() acts on it (engine.group.data_parallel)
+        shell.held = verb  # run() acts on it (engine.group.data_parallel)
     elif header in HEADER_VERBS:
-        proc.on_step(header, body)
+        on_verb(shell, header, body)
     elif header is Header.PEER_WEIGHTS:  # a joiner of our layout pulls our weights, now, between two steps
         engine.memory.peers.share(body, engine.epoch)
 
 
-def _add(proc: EngineProcess, submit: EngineSubmit) -> None:
+def _add(shell: Shell, submit: EngineSubmit) -> None:
     """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once. Its KV goes on
     after its first token when it asks so, or it starts on the blocks it brings (``kv_transfer_params``)."""
     data = submit.request
@@ -85,7 +86,7 @@ def _add(proc: EngineProcess, submit: EngineSubmit) -> None:
             return  # nothing names it: the coordinator's stall check ends it
         failed = FinalRecord(request_id=request_id, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR,
                              error=f"engine could not read the request: {exc}", finish_time=time.time())
-        proc.send(Header.ENGINE_STEP, EngineStepOut(engine_id=proc.engine_id, outputs=[
+        shell.send(Header.ENGINE_STEP, EngineStepOut(engine_id=shell.engine_id, outputs=[
             RequestDeltaOut(request_id=request_id, new_tokens=[], finished=True, request=failed)]))
         return
-    proc.engine.add_request(request, submit.kv_transfer_params)
+    shell.engine.add_request(request, submit.kv_transfer_params)

@@ -12,34 +12,34 @@ from ...wire.protocol import Header
 from ..verbs import REGISTER
 
 if TYPE_CHECKING:
-    from .loop import EngineProcess
+    from .shell import Shell
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
 
-def on_registered(proc: EngineProcess, ack: HelloAck, session: int) -> None:
+def on_registered(shell: Shell, ack: HelloAck, session: int) -> None:
     # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's
     # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
-    link, engine = proc.link, proc.engine
+    link, engine = shell.link, shell.engine
     link.stats = {k: v for k, v in link.stats.items() if k != "progress"}
-    if proc.session:
+    if shell.session:
         dropped = engine.take_unfinished_requests(forget_transfers=True)
         logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
                        "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
-    proc.session = session
-    proc.engine_id = ack.engine_id
-    engine.kv_events.attach(proc.send_kv_events)  # the coordinator's index starts from what it holds now
+    shell.session = session
+    shell.engine_id = ack.engine_id
+    engine.kv_events.attach(shell.send_kv_events)  # the coordinator's index starts from what it holds now
     logger.info("registered with coordinator %s as %s (group %s), state %s", ack.coordinator_id,
-                proc.engine_id, ack.engine_group, ack.state)
+                shell.engine_id, ack.engine_group, ack.state)
     problem = engine.call(REGISTER, ack).get("error")
     if problem is not None:
-        proc.fatal = problem
+        shell.fatal = problem
         return
     target = ack.state
     if target == FleetState.SUSPENDED.value:
-        proc.state = FleetState.SUSPENDED
+        shell.state = FleetState.SUSPENDED
     else:  # a STOPPED coordinator: wait paused until it is restarted with UNPAUSE
-        proc.state = FleetState.RUNNING if target == FleetState.RUNNING.value else FleetState.PAUSED
-    if proc.drain_deadline is not None:
-        proc.send(Header.DRAINING, {"engine_id": proc.engine_id})
-    proc.publish_stats(force=True)
+        shell.state = FleetState.RUNNING if target == FleetState.RUNNING.value else FleetState.PAUSED
+    if shell.drain_deadline is not None:
+        shell.send(Header.DRAINING, {"engine_id": shell.engine_id})
+    shell.publish_stats(force=True)
