@@ -1,6 +1,6 @@
-"""A plain text piece's event from its ``TextSlot`` is the event ``ChunkWriter.chunk`` makes of the same choice,
-byte for byte, whatever the text and the answer's names hold (quotes, escapes, control characters, Unicode line
-breaks, characters outside the BMP); a writer whose chunks carry a running usage has no slot."""
+"""A plain text piece's chunk (``ChunkWriter.text``, rendered from the bytes around its text) is the chunk
+``ChunkWriter.chunk`` makes of the same choice, byte for byte, whatever the text and the answer's names hold (quotes,
+escapes, control characters, Unicode line breaks, characters outside the BMP), with or without a running usage."""
 
 from __future__ import annotations
 
@@ -23,18 +23,19 @@ def _choice(kind: str, index: int, text: str) -> dict:
 @pytest.mark.parametrize("model", ["tiny-llama", "odd\u2028model \"name\" \u0085"])
 @pytest.mark.parametrize("kind", ["text_completion", "chat.completion.chunk"])
 @pytest.mark.parametrize("index", [0, 3])
-def test_slot_events_are_the_chunks_events(model, kind, index):
-    writer = ChunkWriter("cmpl-1\u2029", kind, 1700000000, model)
-    slot = writer.text_slot(_choice(kind, index, SLOT))
-    assert slot is not None
+def test_text_chunks_are_the_chunks_of_their_choices(model, kind, index):
+    writer = ChunkWriter("cmpl-1\u2029", kind, 1700000000, model, lambda i, text: _choice(kind, i, text))
     for text in TEXTS:
-        assert slot.event(text) == writer.chunk([_choice(kind, index, text)])
+        assert writer.text(index, text) == writer.chunk([_choice(kind, index, text)])
 
 
-def test_no_slot_when_every_chunk_carries_a_usage():
-    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m",
-                         running_usage=lambda: Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
-    assert writer.text_slot({"index": 0, "text": SLOT, "logprobs": None, "finish_reason": None}) is None
+def test_text_chunks_carry_the_running_usage_of_their_time():
+    counts = iter(range(1, 100))
+    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m", lambda i, text: _choice("text_completion", i, text),
+                         running_usage=lambda: Usage(prompt_tokens=1, completion_tokens=next(counts),
+                                                     total_tokens=0))
+    first, second = writer.text(0, "a"), writer.text(0, "a")
+    assert b'"completion_tokens":1,' in first and b'"completion_tokens":2,' in second
 
 
 @pytest.mark.parametrize("cached", [0, 7])
@@ -47,6 +48,6 @@ def test_a_stream_s_usage_chunk_is_the_usage_model_s_byte_for_byte(cached):
 
     job = SimpleNamespace(prompt_index=0, index=0, prompt=SimpleNamespace(tokens=list(range(12))))
     finished = [(job, SimpleNamespace(generated_tokens=[1, 2, 3], cached_tokens=cached))]
-    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m")
+    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m", lambda i, text: _choice("text_completion", i, text))
     assert writer.chunk([], usage=usage_fields(12, finished)) == writer.chunk([], usage=make_usage(12, finished))
     assert b'"prompt_tokens_details":{"cached_tokens":%d}' % cached in writer.chunk([], usage=usage_fields(12, finished))

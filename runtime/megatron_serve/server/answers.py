@@ -12,7 +12,7 @@ from typing import Any
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .chunks import TextSlot
+from .chunks import ChunkWriter
 from .context import ServerContext
 from .models import Usage
 from .translate import EngineJob
@@ -150,33 +150,35 @@ class StreamedChoices:
 
 class StreamedAnswer:
     """What both endpoints' streamed answers keep (their choices so far, the finished requests) and how they end:
-    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of the items that
-    are not plain pieces (:meth:`whole_item`)."""
+    a usage chunk with ``stream_options.include_usage``. Every chunk comes from its ``writer``; subclasses make the
+    chunks of the items that are not later plain pieces (:meth:`whole_item`)."""
 
-    writer: Any  # the answer's ``chunks.ChunkWriter``
-
-    def __init__(self, req: Any, token_texts: bool, prompt_tokens: int) -> None:
-        """``prompt_tokens``: the answer's prompt tokens, as its usage counts them."""
-        self.req = req
+    def __init__(self, handler: Any, kind: str, text_choice: Callable[[int, str], dict[str, Any]], token_texts: bool,
+                 prompt_tokens: int) -> None:
+        """``handler``: the request's (its ``id``, ``created`` and ``req``); ``kind`` and ``text_choice``: its chunks'
+        ``object`` and plain text choice (:class:`~.chunks.ChunkWriter`); ``prompt_tokens``: the answer's prompt
+        tokens, as its usage counts them."""
+        req = self.req = handler.req
         self.choices = StreamedChoices(token_texts)
         self.results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         self._prompt_tokens = prompt_tokens
+        usage = running_usage(req, prompt_tokens, self.choices)
+        self.writer = ChunkWriter(handler.id, kind, handler.created, req.model, text_choice, usage)
         # Choices whose pieces are text alone (no log probs, token ids or running usage; in a chat, no tool calls to
-        # read): a subclass gives each its TextSlot after the first piece, and the later pieces' chunks come from it
-        # without the choices' bookkeeping (which serves only those)
-        self.plain = not (token_texts or req.return_token_ids)
-        self.slots: dict[int, TextSlot | None] = {}  # by id(job): finding a job's slot reads nothing of the job
+        # read): a subclass marks each after its first piece, and the later pieces' chunks are the writer's plain
+        # text chunks (ChunkWriter.text), without the choices' bookkeeping (which serves only the others)
+        self.plain = not (token_texts or req.return_token_ids or usage is not None)
+        self.texted: set[int] = set()  # by id(job): finding whether a job is plain reads nothing of the job
 
     def item(self, job: EngineJob, item: Any) -> bytes:
-        """The events of one arrived item: a plain text piece's from its choice's :class:`~.chunks.TextSlot`, any
-        other's from the subclass (:meth:`whole_item`), which makes the choice's slot with its first piece."""
-        slot = self.slots.get(id(job))
-        if slot is not None and type(item) is StreamPartial:
-            return slot.event(item.new_text) if item.new_text else b""
+        """The events of one arrived item: a plain text piece's from the writer's :meth:`~.chunks.ChunkWriter.text`,
+        any other's from the subclass (:meth:`whole_item`), which marks the plain choices with their first piece."""
+        if id(job) in self.texted and type(item) is StreamPartial:
+            return self.writer.text(job.index, item.new_text) if item.new_text else b""
         return self.whole_item(job, item)
 
     def whole_item(self, job: EngineJob, item: Any) -> bytes:
-        """The events of an item that is not a piece of a slotted choice (the subclass's chunks)."""
+        """The events of an item that is not a later piece of a plain choice (the subclass's chunks)."""
         raise NotImplementedError
 
     def end(self) -> bytes:

@@ -8,7 +8,7 @@ from typing import Any
 from ..tokenizer import Tokenizer
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, running_usage, token_label
+from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, token_label
 from .context import ServerContext
 from .errors import unsupported
 from .intake import check_budget
@@ -23,7 +23,7 @@ from .models import (
     FunctionCall,
     Usage,
 )
-from .chunks import SLOT, ChunkWriter
+from .chunks import ChunkWriter
 from .streaming import EventStreamResponse, stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
@@ -179,14 +179,18 @@ class ChatHandler(GenerationHandler):
         return await stream_answer(self.ctx.submit(self.jobs, self.id), _ChatEvents(self), self.id)
 
 
+def _text_choice(index: int, text: str) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` choice that adds ``text`` alone to the content (plain data)."""
+    return ChatHandler._choice(index, {"content": text})
+
+
 class _ChatEvents(StreamedAnswer):
     """The chunks of a streamed chat answer, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: ChatHandler) -> None:
-        super().__init__(handler.req, handler.want_logprobs, len(handler.prompt.tokens))
+        super().__init__(handler, "chat.completion.chunk", _text_choice, handler.want_logprobs,
+                         len(handler.prompt.tokens))
         self.handler = handler
-        self.writer = ChunkWriter(handler.id, "chat.completion.chunk", handler.created, handler.req.model,
-                                  running_usage(handler.req, len(handler.prompt.tokens), self.choices))
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
 
@@ -201,7 +205,7 @@ class _ChatEvents(StreamedAnswer):
             events.append(writer.chunk([opening], prompt_token_ids=handler.prompt.tokens if req.return_token_ids
                                        else None))
             if self.plain and reader is None:
-                self.slots[id(job)] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
+                self.texted.add(id(job))
         final = not isinstance(item, StreamPartial)
         delta = Delta.empty() if final else self.choices.piece(item)
         chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)

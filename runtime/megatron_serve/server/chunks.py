@@ -44,42 +44,36 @@ def sse(payload: BaseModel | dict[str, Any]) -> bytes:
     return event(payload.model_dump_json().encode() if isinstance(payload, BaseModel) else _JSON.encode(payload))
 
 
-#: A string no text is: where a :class:`TextSlot`'s text goes in the chunk made to cut it.
+#: A string no text is: where a plain text piece's text goes in the chunk made to cut the bytes around it.
 SLOT = "\x00megatron-serve text slot\x00"
-
-
-class TextSlot:
-    """The event of a chunk that differs from its stream's others in one string alone (a plain text piece of a
-    choice): the bytes around the string are made once, by :meth:`ChunkWriter.chunk` itself, and each event is
-    those bytes around the string's JSON. The events are those ``chunk`` makes, byte for byte (the bytes around
-    the string are cut from its output; a string's JSON escapes alike wherever it stands, and the line breaks
-    escaped in event data are whole characters, never cut by the ASCII quotes at the cut).
-
-    Per streamed piece of a plain answer this saves the choice's dict and list, their encoding, the scan of the
-    whole chunk for line breaks and the choice's bookkeeping (which serves listings, token ids and running usage):
-    what it saves per token is in docs/benchmarks.md (the serving section's eighth round).
-    """
-
-    __slots__ = ("_before", "_after")
-
-    def __init__(self, before: bytes, after: bytes) -> None:
-        self._before = before
-        self._after = after
-
-    def event(self, text: str) -> bytes:
-        return self._before + _escape_breaks(_JSON.encode(text)) + self._after
+_SLOT_JSON = _JSON.encode(SLOT)
 
 
 class ChunkWriter:
-    """The chunks of one streamed answer: ``{"id", "object", "created", "model", "choices", "usage",
-    "system_fingerprint"}``, the first four encoded once. ``running_usage``: the usage every chunk carries
-    (``stream_options.continuous_usage_stats``), or None when chunks carry none."""
+    """The one producer of a streamed answer's chunks: ``{"id", "object", "created", "model", "choices", "usage",
+    "system_fingerprint"}``, the first four encoded once. ``text_choice(index, text)``: the choice (plain data) of a
+    chunk that adds ``text`` alone to choice ``index``, the endpoint's one statement of that shape.
+    ``running_usage``: the usage every chunk carries (``stream_options.continuous_usage_stats``), or None when
+    chunks carry none.
+
+    :meth:`chunk` makes any chunk; :meth:`text` renders a plain text piece's chunk, most of a stream's, from the
+    bytes around its text, which :meth:`chunk` itself made once per choice: the same bytes, without the choice's
+    dict, its encoding and the scan of the whole chunk for line breaks per piece (what it saves per token is in
+    docs/benchmarks.md, the serving section's eighth round). The cut is exact: a string's JSON escapes alike
+    wherever it stands, and the line breaks escaped in event data are whole characters, never cut by the ASCII
+    quotes at the cut.
+    """
+
+    __slots__ = ("_head", "_running_usage", "_text_choice", "_around")
 
     def __init__(self, answer_id: str, kind: str, created: int, model: str,
+                 text_choice: Callable[[int, str], dict[str, Any]],
                  running_usage: Callable[[], BaseModel | None] | None = None) -> None:
         head = _JSON.encode({"id": answer_id, "object": kind, "created": created, "model": model})
         self._head = head[:-1] + b',"choices":'
         self._running_usage = running_usage
+        self._text_choice = text_choice
+        self._around: dict[int, tuple[bytes, bytes]] = {}  # by choice index: the event's bytes around the text
 
     def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | dict[str, Any] | None = None,
               prompt_token_ids: list[int] | None = None) -> bytes:
@@ -95,10 +89,13 @@ class ChunkWriter:
         return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null'
                      + tail)
 
-    def text_slot(self, choice: dict[str, Any]) -> TextSlot | None:
-        """The :class:`TextSlot` of chunks of ``choice`` alone (plain data) whose one varying string stands where
-        ``choice`` holds :data:`SLOT`; None when every chunk carries a usage (it varies too)."""
-        if self._running_usage is not None:
-            return None
-        before, after = self.chunk([choice]).split(_JSON.encode(SLOT))
-        return TextSlot(before, after)
+    def text(self, index: int, text: str) -> bytes:
+        """The chunk of ``text_choice(index, text)`` alone: from the bytes around the text, cut once per choice
+        (every chunk's running usage varies too: then :meth:`chunk` each time)."""
+        around = self._around.get(index)
+        if around is None:
+            if self._running_usage is not None:
+                return self.chunk([self._text_choice(index, text)])
+            before, after = self.chunk([self._text_choice(index, SLOT)]).split(_SLOT_JSON)
+            around = self._around[index] = (before, after)
+        return around[0] + _escape_breaks(_JSON.encode(text)) + around[1]

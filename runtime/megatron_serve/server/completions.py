@@ -9,7 +9,7 @@ from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
-from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, running_usage, token_label
+from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, token_label
 from .context import ServerContext
 from .errors import bad_request, unsupported
 from .intake import check_budget
@@ -21,7 +21,6 @@ from .models import (
     CompletionResponse,
     Usage,
 )
-from .chunks import SLOT, ChunkWriter
 from .streaming import EventStreamResponse, stream_answer
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
@@ -166,15 +165,18 @@ class CompletionHandler(GenerationHandler):
         return await stream_answer(self.ctx.submit(self.jobs, self.id), _CompletionEvents(self), self.id)
 
 
+def _text_choice(index: int, text: str) -> dict[str, Any]:
+    """A streamed ``text_completion`` choice that adds ``text`` alone (plain data, see :mod:`.chunks`)."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
+
 class _CompletionEvents(StreamedAnswer):
     """The chunks of a streamed completion, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: CompletionHandler) -> None:
-        prompt_tokens = sum(len(p.tokens) for p in handler.prompts)
-        super().__init__(handler.req, handler.want_logprobs, prompt_tokens)
+        super().__init__(handler, "text_completion", _text_choice, handler.want_logprobs,
+                         sum(len(p.tokens) for p in handler.prompts))
         self.handler = handler
-        self.writer = ChunkWriter(handler.id, "text_completion", handler.created, handler.req.model,
-                                  running_usage(handler.req, prompt_tokens, self.choices))
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
 
@@ -190,7 +192,7 @@ class _CompletionEvents(StreamedAnswer):
             if logprobs is not None:
                 self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
             if self.plain and first:
-                self.slots[id(job)] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
+                self.texted.add(id(job))
             if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
                 self.opened.add(job.index)
                 return self._chunk(job, prefix + delta.text, delta, logprobs, opening)
@@ -211,7 +213,8 @@ class _CompletionEvents(StreamedAnswer):
         """One choice of a streamed ``text_completion`` chunk as plain data (see :mod:`.chunks`); with
         ``return_token_ids`` its ``opening`` chunk carries the prompt's ids and every chunk the ids of the
         tokens it lists."""
-        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = _text_choice(job.index, text)
+        choice["logprobs"], choice["finish_reason"] = logprobs, finish_reason
         if self.req.return_token_ids:
             if opening:
                 choice["prompt_token_ids"] = job.prompt.tokens
