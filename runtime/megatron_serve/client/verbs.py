@@ -109,3 +109,10 @@ class FleetVerbs:
         ``reset_running_requests`` (they are then recomputed from their tokens): the acknowledgement's ``detail``
         says ``reset`` (every engine did) and each engine's ``reset``."""
         return await self.control(Verb.RESET_PREFIX_CACHE, timeout, reset_running_requests=reset_running_requests)
+
+    async def scale_ep(self, size: int, timeout: float | None = None) -> dict[str, Any]:
+        """SCALE_EP: the expert-parallel group of data-parallel attention ranks to ``size`` ranks, in any state but
+        STOPPED. Below its size, the ranks from ``size`` on hand their requests back (resubmitted to the others)
+        and leave; the others regroup without them at their next turn. Above it, the size is recorded
+        (``detail["wanted"]``): the missing ranks' engines join the group when they are started."""
+        return await self.control(Verb.SCALE_EP, timeout, size=size)

@@ -57,10 +57,12 @@ from ..wire.lifecycle import (
     parse_pause_mode,
     transition,
 )
-from ..wire.controls import Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, Stop, Suspend, UnloadLora
+from ..wire.controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, ScaleEp, Stop, Suspend,
+                             UnloadLora)
 from ..wire.handshake import Error
 from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
+from .expert_group import leave, scale_problem
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 
@@ -118,6 +120,7 @@ class ControlOp:
     failed: dict[str, str] = field(default_factory=dict)  # REFIT, LoRA: engine id -> why it could not load
     lora: LoadLora | UnloadLora | None = None  # LOAD_LORA, UNLOAD_LORA: the adapter
     reset_running: bool = False  # RESET_PREFIX_CACHE: running requests are recomputed so that every engine resets
+    size: int = 0  # SCALE_EP: the data-parallel ranks the expert-parallel group is to have
 
     @property
     def step(self) -> Step:
@@ -164,6 +167,9 @@ class VerbRunner:
             op.drain_timeout = body.drain_timeout
         elif isinstance(body, ResetPrefixCache):
             op.reset_running = bool(body.reset_running_requests)
+        elif isinstance(body, ScaleEp):
+            op.size = body.size or 0
+            problem = scale_problem(core.engines.values(), body.size)
         elif isinstance(body, Pause):
             problem = self._pause_problem(op, body)
         elif isinstance(body, (LoadLora, UnloadLora)):
@@ -325,6 +331,8 @@ class VerbRunner:
                 core.refits += 1
         elif step is Step.RESET_PREFIX_CACHE:
             body = ResetPrefixCache(control_id=control_id, reset_running_requests=op.reset_running or None)
+        elif step is Step.SCALE_EP:
+            body = ScaleEp(control_id=control_id, size=op.size)
         elif isinstance(op.lora, LoadLora):
             body = msgspec.structs.replace(op.lora, control_id=control_id, phase=spec.phase)
         elif op.lora is not None:
@@ -437,6 +445,8 @@ class VerbRunner:
                 engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
         elif op.step is Step.STOP:
             core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
+        elif op.step is Step.SCALE_EP and facts.get("leaving"):
+            leave(core, engine, facts.get("handed_back") or [])
         elif op.lora is not None:
             if isinstance(facts.get("loras"), dict):
                 engine.stats = {**engine.stats, "loras": facts["loras"]}
@@ -494,6 +504,9 @@ class VerbRunner:
             for engine_id, facts in op.engines.items():
                 if facts.get("reset") is True and engine_id in core.engines:
                     core.policy.forget(engine_id)  # nothing of it can be found again (its KV events say so too)
+        if op.verb is Verb.SCALE_EP:
+            leaving = sorted(engine_id for engine_id, facts in op.engines.items() if facts.get("leaving"))
+            detail.update(noop=False, wanted=op.size, leaving=leaving)
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,

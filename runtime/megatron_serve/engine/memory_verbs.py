@@ -239,6 +239,11 @@ class DeviceMemory:
         return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
                 "total_s": finished - started}
 
+    def scale_expert_group(self, size: int) -> dict[str, Any]:
+        """SCALE_EP: this rank's part of its expert-parallel group's change of size, which re-places the experts on
+        the device at the group's next turn (:meth:`.group.survival.GroupSurvival.scale`)."""
+        return self.worker.runner.scale_expert_group(size)
+
     def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, Any]:
         """Forget every cached prefix block, on the device and in the host tier (AllBlocksCleared in the KV events).
 

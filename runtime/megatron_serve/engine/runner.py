@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -252,6 +252,13 @@ class ModelRunner:
         """Whether the step loop steps now (when this engine has work) and acts on a verb it holds (at once),
         unless data-parallel attention ranks agree on both together (:mod:`.group.data_parallel`)."""
         return Turn(busy, holding)
+
+    def scale_expert_group(self, size: int) -> dict[str, Any]:
+        """SCALE_EP's part of this rank: only an expert-parallel group of data-parallel attention ranks that serves
+        on without a rank changes its size (:mod:`.group.survival`)."""
+        return {"error": f"scale-ep {size}: this engine is not a rank of an expert-parallel group of data-parallel "
+                         "attention ranks that can change its size (one process per rank on CPU, --tensor-parallel "
+                         "1, --data-parallel-size 3 or more, EPLB off)"}
 
     def end_step(self) -> None:
         """Called after each step; a data-parallel attention rank that ran no forward in it joins the MoE layers'

@@ -112,6 +112,8 @@ class MemoryVerbs(Protocol):
 
     def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, Any]: ...  # every KV tier's cached blocks
 
+    def scale_expert_group(self, size: int) -> dict[str, Any]: ...  # SCALE_EP: this rank's part of its group's change
+
     @property
     def peers(self) -> PeerWeights: ...  # its side of peer pulls as a donor (weights.peer_pull)
 

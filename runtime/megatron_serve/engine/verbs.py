@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import RefitFailed
 from ..wire.lifecycle import FleetState, Step
 from ..wire.lora_names import shown
-from ..wire.controls import Control, LoadLora, Refit, ResetPrefixCache, Suspend, UnloadLora
+from ..wire.controls import Control, LoadLora, Refit, ResetPrefixCache, ScaleEp, Suspend, UnloadLora
 from ..wire.handshake import HelloAck
 from ..wire.rendezvous import RENDEZVOUS_SCHEME
 
@@ -193,6 +193,16 @@ def _reset_prefix_cache(engine: ServedEngine, body: ResetPrefixCache) -> dict[st
     return engine.memory.reset_prefix_cache(bool(body.reset_running_requests))
 
 
+def _scale_ep(engine: ServedEngine, body: ScaleEp) -> dict[str, Any]:
+    """SCALE_EP between two steps: this rank's part of its expert-parallel group's change of size
+    (:meth:`~.group.survival.GroupSurvival.scale`); a rank that leaves hands its requests back in the
+    acknowledgement (``handed_back``: the coordinator resubmits them) and exits at the group's next turn."""
+    detail = engine.memory.scale_expert_group(body.size)
+    if detail.get("leaving"):
+        detail["handed_back"] = [record.request_id for record in engine.take_unfinished_requests()]
+    return detail
+
+
 def _register(engine: ServedEngine, ack: HelloAck) -> dict[str, Any]:
     """At registration: the fleet's current weights (when ours differ) and LoRA adapters, then its suspension (or
     none). ``{"error": why}`` when the weights cannot be loaded: the engine cannot serve this fleet."""
@@ -272,5 +282,6 @@ ACTIONS: dict[Step | str, Callable[[ServedEngine, Any], dict[str, Any]]] = {
     Step.LORA_LOAD: _lora,
     Step.LORA_UNLOAD: _lora,
     Step.RESET_PREFIX_CACHE: _reset_prefix_cache,
+    Step.SCALE_EP: _scale_ep,
     REGISTER: _register,
 }

@@ -1,6 +1,6 @@
-"""The fleet's verbs as bodies: PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, REFIT, LOAD_LORA, UNLOAD_LORA and
-RESET_PREFIX_CACHE (each a :class:`Control` with its own fields) and their CONTROL_ACK; what the verbs do and in
-which order is :mod:`megatron_serve.wire.lifecycle`'s table.
+"""The fleet's verbs as bodies: PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, REFIT, LOAD_LORA, UNLOAD_LORA,
+RESET_PREFIX_CACHE and SCALE_EP (each a :class:`Control` with its own fields) and their CONTROL_ACK; what the verbs
+do and in which order is :mod:`megatron_serve.wire.lifecycle`'s table.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class ResetPrefixCache(Control):
     back to be recomputed first (without it, an engine whose requests hold blocks does not reset)."""
 
     reset_running_requests: bool | None = None
+
+
+class ScaleEp(Control):
+    """SCALE_EP: the expert-parallel group of data-parallel attention ranks to ``size`` ranks (None: refused)."""
+
+    size: int | None = None
 
 
 class ControlAck(Body):

@@ -43,6 +43,11 @@ be encoded twice, and the two copies disagreed):
   engine whose running requests hold blocks refuses it in its acknowledgement (``reset: false``) unless the verb
   says ``reset_running_requests``, which first sends them back to be recomputed (vLLM's rule); the verb itself
   is acknowledged either way, each engine saying whether it reset.
+* ``SCALE_EP`` (issue 63's resizing) is legal in every state but STOPPED and keeps it: an expert-parallel group of
+  data-parallel attention ranks goes to ``size`` ranks. Below its size, the coordinator routes nothing more to the
+  ranks from ``size`` on, each hands its requests back (resubmitted to the others) and leaves at the group's next
+  turn, and the others regroup without them; above it, the coordinator records the size wanted, and the missing
+  ranks' engines, started for the group, join it (``docs/parallelism.md``).
 * PAUSE's :class:`PauseMode` (what happens to the requests the fleet holds) is an argument of the
   verb, not a state: every mode ends in the same PAUSED, with the same engine step, and the fleet
   behaves the same afterwards (it holds what is left and what arrives, until UNPAUSE). The modes
@@ -85,6 +90,7 @@ class Verb(str, enum.Enum):
     LOAD_LORA = "load_lora"
     UNLOAD_LORA = "unload_lora"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
+    SCALE_EP = "scale_ep"
 
 
 class PauseMode(str, enum.Enum):
@@ -167,6 +173,7 @@ class Step(str, enum.Enum):
     LORA_LOAD = "LORA_LOAD"
     LORA_UNLOAD = "LORA_UNLOAD"
     RESET_PREFIX_CACHE = "RESET_PREFIX_CACHE"
+    SCALE_EP = "SCALE_EP"
 
 
 #: Verbs whose messages carry a ``phase`` saying which of their steps they are.
@@ -215,6 +222,9 @@ STEPS: dict[Step, StepSpec] = {
     Step.RESET_PREFIX_CACHE: StepSpec(Verb.RESET_PREFIX_CACHE, Deadline.VERB,
                                       "forget every cached prefix block in every KV tier (refused while running "
                                       "requests hold blocks, unless they are sent back to be recomputed)"),
+    Step.SCALE_EP: StepSpec(Verb.SCALE_EP, Deadline.VERB,
+                            "an expert-parallel group of data-parallel attention ranks to N ranks: the ranks from N on "
+                            "hand their requests back and leave at the next turn; the others regroup without them"),
 }
 
 
@@ -237,7 +247,8 @@ def _refit(state: FleetState) -> Transition:
 def _lora(state: FleetState) -> dict[Verb, Transition | str]:
     return {Verb.LOAD_LORA: Transition(state, (Step.LORA_VERIFY, Step.LORA_LOAD)),
             Verb.UNLOAD_LORA: Transition(state, (Step.LORA_UNLOAD,)),
-            Verb.RESET_PREFIX_CACHE: Transition(state, (Step.RESET_PREFIX_CACHE,))}
+            Verb.RESET_PREFIX_CACHE: Transition(state, (Step.RESET_PREFIX_CACHE,)),
+            Verb.SCALE_EP: Transition(state, (Step.SCALE_EP,))}
 
 
 _STOP = Transition(_S.STOPPED, (Step.STOP,))
@@ -283,6 +294,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.LOAD_LORA: _NOT_WHILE_STOPPED,
         Verb.UNLOAD_LORA: _NOT_WHILE_STOPPED,
         Verb.RESET_PREFIX_CACHE: _NOT_WHILE_STOPPED,
+        Verb.SCALE_EP: _NOT_WHILE_STOPPED,
     },
 }
 

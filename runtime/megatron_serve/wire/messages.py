@@ -22,7 +22,8 @@ in Python imports the protocol from.
 from __future__ import annotations
 
 from .body import Body, ClientId, TokenId
-from .controls import Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, Stop, Suspend, UnloadLora
+from .controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, ScaleEp, Stop, Suspend,
+                       UnloadLora)
 from .deltas import (EngineStep, EngineStepOut, PromptScores, RequestDelta, RequestDeltaOut, RoutingRows, StepTokens,
                      StepTokensOut, TokenDelta, delta_past)
 from .handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Batch, Error, Hello, HelloAck
@@ -40,9 +41,9 @@ __all__ = [
     "ControlAck", "Draining", "EngineAbort", "EngineStep", "EngineStepOut", "EngineSubmit", "EngineSubmitOut",
     "Error", "Handback", "Heartbeat", "Hello", "HelloAck", "KVBlocks", "KVEvents", "LoadLora", "LoraPush", "Pause",
     "PeerShare", "PieceSpec", "PromptScores", "Refit", "Rendezvous", "RequestDelta", "RequestDeltaOut",
-    "ResetPrefixCache", "Result", "ResultAck", "ResultOut", "RoutingRows", "Status", "StatusReply", "StepTokens",
-    "StepTokensOut", "Stop", "Submit", "Suspend", "TensorSpec", "TokenDelta", "TokenId", "UnloadLora", "WireImage",
-    "delta_past",
+    "ResetPrefixCache", "Result", "ResultAck", "ResultOut", "RoutingRows", "ScaleEp", "Status", "StatusReply",
+    "StepTokens", "StepTokensOut", "Stop", "Submit", "Suspend", "TensorSpec", "TokenDelta", "TokenId", "UnloadLora",
+    "WireImage", "delta_past",
 ]
 
 #: The verbs, with the same bodies both ways: a client's reaches the coordinator, which passes it on to the engines
@@ -56,6 +57,7 @@ _VERBS: dict[Header, type[Body]] = {
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
     Header.RESET_PREFIX_CACHE: ResetPrefixCache,
+    Header.SCALE_EP: ScaleEp,
 }
 
 #: Bodies the coordinator accepts.

@@ -59,6 +59,7 @@ class Header(enum.IntEnum):
     # introspection and liveness
     STATUS = 30
     STATUS_REPLY = 31
+    SCALE_EP = 32  # an expert-parallel group of data-parallel attention ranks to N ranks (a lifecycle verb)
     HEARTBEAT = 40
     DRAINING = 41
     # engine link (coordinator <-> engine processes only)
@@ -81,6 +82,7 @@ VERB_HEADERS: dict[Verb, Header] = {
     Verb.LOAD_LORA: Header.LOAD_LORA,
     Verb.UNLOAD_LORA: Header.UNLOAD_LORA,
     Verb.RESET_PREFIX_CACHE: Header.RESET_PREFIX_CACHE,
+    Verb.SCALE_EP: Header.SCALE_EP,
 }
 HEADER_VERBS: dict[Header, Verb] = {header: verb for verb, header in VERB_HEADERS.items()}
 _STEP_MESSAGES: dict[tuple[Header, str | None], Step] = {

@@ -191,6 +191,13 @@ VERB_CALLS: dict[Verb, VerbCall] = {call.verb: call for call in (
         Arg("reset_running_requests", bool, "send the running requests back to be recomputed first, so that every "
             "engine resets (vLLM's reset_running_requests)", default=False),
     ), http=True, fields=_reset_fields),
+    VerbCall(Verb.SCALE_EP, "SCALE_EP: an expert-parallel group of data-parallel attention ranks to N ranks: below "
+             "its size the highest ranks hand their requests back and leave, the others regroup without them; above "
+             "it the size is recorded and the missing ranks' engines join when started", (
+        # not ``required``: direct mode refuses a fleet verb by name before its arguments (the coordinator needs it)
+        Arg("size", int, "the data-parallel ranks the group is to have (at most its --data-parallel-size)",
+            minimum=1, metavar="N"),
+    )),
 )}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -120,6 +120,9 @@ class TensorParallelRunner(ModelRunner):
         self._turns += 1
         self._last_turn = turn
         return turn
+
+    def scale_expert_group(self, size: int) -> dict[str, Any]:
+        return super().scale_expert_group(size) if self.survival is None else self.survival.scale(size)
 
     def _agree_tokens(self, tokens: int) -> int | None:
         """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""

@@ -23,6 +23,7 @@ import gc
 import logging
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from ...model.experts.moe import SparseMoeBlock
 from ..expert_recovery import place_for_members, recover_experts
 from .channel import PlanChannel
 from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_admission, plan_change,
-                         read_change)
+                         read_change, want_size)
 from .placement import RENDEZVOUS_TIMEOUT_S, join_data_parallel, release_groups
 from .regroup import Progress, Resume, regroup
 from .turns import LeftGroup
@@ -83,6 +84,17 @@ class GroupSurvival:
     def change_pending(self) -> bool:
         """Whether the leader sees a change asked for (one cheap store read, at most every few turns)."""
         return self.watch is not None and self.watch.pending()
+
+    def scale(self, size: int) -> dict[str, Any]:
+        """SCALE_EP on this rank: below the group's size, the leader asks for the change (taken at a turn the
+        members agree on), and this rank says whether it is among the highest ranks, which leave; above it, nothing
+        here (the missing ranks' engines join when started). The acknowledgement's detail."""
+        if not 1 <= size <= self.size:
+            return {"error": f"scale-ep {size}: an expert-parallel group started with --data-parallel-size "
+                             f"{self.size} has 1 to {self.size} ranks"}
+        if size < len(self.members) and self.watch is not None:
+            want_size(self.store, size)
+        return {"leaving": self.dp_rank in self.members[size:], "members": list(self.members)}
 
     def rejoin(self, cause: BaseException, progress: Progress) -> Resume:
         """Form the survivors' group, serve on in it, and say how this rank rejoins the others (it stopped at

@@ -1,0 +1,45 @@
+"""SCALE_EP on the coordinator's side: which sizes an expert-parallel group of data-parallel attention ranks can be
+asked for (:func:`scale_problem`), and an engine that leaves its group (:func:`leave`). The engines do the change
+itself among them (``engine/group/membership.py``); the coordinator only stops routing to the ranks that leave and
+resubmits what they hand back, as it does for a drained engine's hand-back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .peers import EngineRecord
+from .requests import Phase
+
+if TYPE_CHECKING:
+    from .core import CoordinatorCore
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+
+def scale_problem(engines: Iterable[EngineRecord], size: int | None) -> str | None:
+    """Why SCALE_EP to ``size`` cannot run: no engine of data-parallel attention is connected, or the size is not one
+    its group can have (1 to its ``--data-parallel-size``)."""
+    sizes = {engine.info.get("data_parallel_size") for engine in engines} - {None, 1}
+    if not sizes:
+        return "SCALE_EP needs an expert-parallel group of data-parallel attention ranks (--data-parallel-size > 1)"
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= max(sizes):
+        return (f"SCALE_EP size must be an integer in [1, {max(sizes)}] (the group's --data-parallel-size), "
+                f"got {size!r}")
+    return None
+
+
+def leave(core: "CoordinatorCore", engine: EngineRecord, handed_back: list[Any]) -> None:
+    """``engine`` leaves its expert-parallel group: nothing more is routed to it, and the requests it handed back are
+    resubmitted to the others (what it still holds when it exits is resubmitted then, as for any engine gone)."""
+    if not engine.draining:
+        engine.draining = True
+        core.policy.forget(engine.engine_id)
+    for key in handed_back:
+        record = core.requests.get(key) if isinstance(key, str) else None
+        if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
+            engine.assigned.discard(key)
+            core.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
+    logger.info("engine %s leaves its expert-parallel group (SCALE_EP): %d request(s) handed back", engine.engine_id,
+                len(handed_back))
