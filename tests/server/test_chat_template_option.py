@@ -60,7 +60,7 @@ async def test_the_chat_endpoint_renders_with_the_given_template(tiny_model):
 
 
 async def test_python_api_serve_uses_the_template_and_the_models_generation_defaults(tiny_model, tmp_path):
-    """``serve_async_llm(llm, chat_template=...)`` renders chats with it; requests that leave ``max_tokens``
+    """``MegatronAsyncLLM.serve(chat_template=...)`` renders chats with it; requests that leave ``max_tokens``
     out take ``max_new_tokens`` from the model's ``generation_config.json``."""
     model = tmp_path / "tiny-llama"
     shutil.copytree(tiny_model, model)
@@ -68,11 +68,11 @@ async def test_python_api_serve_uses_the_template_and_the_models_generation_defa
     stop = asyncio.Event()
     port = free_port()
     async with MegatronAsyncLLM(str(model)) as llm:
-        server = asyncio.ensure_future(serve_async_llm(llm, "127.0.0.1", port, chat_template=TEMPLATE, stop=stop))
+        server = asyncio.ensure_future(llm.serve("127.0.0.1", port, chat_template=TEMPLATE, stop=stop))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
                 deadline = time.monotonic() + 120
-                while True:  # serve_async_llm loads the server's tokenizer, then listens
+                while True:  # serve() loads the server's tokenizer, then listens
                     assert not server.done() and time.monotonic() < deadline, server
                     try:
                         if (await http.get("/health")).status_code == 200:

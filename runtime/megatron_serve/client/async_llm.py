@@ -13,8 +13,8 @@ implementation is chosen when the object is built:
   an address it connects to that fleet and :meth:`shutdown` only disconnects (it never stops a
   fleet it did not start; send :meth:`stop` for that).
 
-``async with`` starts the object and on exit calls :meth:`close`. Serving it over HTTP in this process is the
-server's job (:func:`megatron_serve.server.serve_async_llm`): the server imports the client, never the other way.
+``async with`` starts the object and on exit calls :meth:`close`. :meth:`serve` serves it over HTTP in this process
+(:func:`megatron_serve.server.serve_async_llm`, imported when called: FastAPI loads only where something serves).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class MegatronAsyncLLM:
 
     @property
     def client(self) -> EngineClient:
-        """The engine client requests go through (what :func:`megatron_serve.server.serve_async_llm` serves)."""
+        """The engine client requests go through (what :meth:`serve` serves)."""
         return self._client
 
     # ------------------------------------------------------------------ start / stop
@@ -411,3 +411,17 @@ class MegatronAsyncLLM:
         """Stop the local fleet this object started (STOP, then the processes), or disconnect from a remote one."""
         await self._client.shutdown()
         await self.close()
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+        """Serve the OpenAI-compatible HTTP API for this object until cancelled (either mode).
+
+        ``options``: ``model_name``, ``api_key``, ``admin_key`` (opens ``/v1/admin/*``, the lifecycle over
+        HTTP), ``max_concurrent_requests``, ``log_level``, ``stop`` (an ``asyncio.Event``), ``limits``,
+        ``read_timeout``, ``timeout_keep_alive``, ``max_connections``, ``drain_timeout``, ``image_options``
+        (a ``multimodal.ImageOptions``), ``options`` (an ``http_options.HTTPOptions``: tool-call parser, CORS,
+        request and stats logs, ``vllm:`` metrics), ``stream_interval``, ``tenancy``; see
+        :func:`megatron_serve.server.serve_async_llm`.
+        """
+        from ..server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
+
+        await serve_async_llm(self, host, port, **options)

@@ -1,5 +1,6 @@
-"""Serving a ``MegatronAsyncLLM`` in-process (:func:`serve_async_llm`): the Python API's HTTP server, kept here on
-the server's side so that the client never imports the server.
+"""Serving a ``MegatronAsyncLLM`` in-process (:func:`serve_async_llm`, what ``MegatronAsyncLLM.serve()`` runs). It
+reads the object through :class:`ServedLLM`, what it needs of it, so that the server never imports the client class
+that imports it.
 
 The app serves the object's engine client (:mod:`megatron_serve.client.engine_client`) as it is, in either
 mode: the coordinator client, or the in-process engine with its ``STATUS``-shaped counters.
@@ -10,22 +11,40 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..generation_config import GenerationDefaults
 from ..http_options import HTTPOptions
 from ..limits import DEFAULT_KEEP_ALIVE, RequestLimits
 from ..multimodal import ImageOptions
 from .admin import ADMIN_KEY_ENV
 from .app import API_KEY_ENV, create_app
+from .backend import Backend
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
 from .tenants import TenancyOptions
 
 if TYPE_CHECKING:
-    from ..client.async_llm import MegatronAsyncLLM
+    from ..tokenizer import Tokenizer
 
 
-def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None, chat_template: str | None) -> tuple[Any, ModelFacts]:
+class ServedLLM(Protocol):
+    """What :func:`serve_async_llm` reads of a ``MegatronAsyncLLM``."""
+
+    model: Any  # a checkpoint directory (str or path), or a model object served in direct mode
+    engine: Any  # the in-process engine in direct mode, else None
+    generation_defaults: GenerationDefaults
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def client(self) -> Backend: ...
+
+    async def start(self) -> None: ...
+
+
+def _model_facts(llm: ServedLLM, model_name: str | None, chat_template: str | None) -> tuple[Any, ModelFacts]:
     """A tokenizer for the server's own use, and the model's limits."""
     from ..tokenizer import Tokenizer, load_chat_template  # noqa: PLC0415
 
@@ -43,7 +62,7 @@ def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None, chat_template:
     return llm.tokenizer, ModelFacts(model_name or "model", engine.model.config.vocab_size, engine.max_sequence_length)
 
 
-async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port: int = 8000, *,
+async def serve_async_llm(llm: ServedLLM, host: str = "127.0.0.1", port: int = 8000, *,
                           model_name: str | None = None, api_key: str | None = None, admin_key: str | None = None,
                           max_concurrent_requests: int | None = None, chat_template: str | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
