@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from megatron_kernels.fp8 import FP8_DTYPE, dequantize, quantize
 
 from .config import ModelConfig
-from .layers import _read_all, is_fp8
 from .loader import build_model, iterate_checkpoint, weight_target, with_quantization
+from .tensor_source import is_fp8, read_all
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
 
@@ -40,7 +40,7 @@ def write_dequantized_checkpoint(model_dir: str | Path, out_dir: str | Path, qua
         raise ValueError(f"{model_dir} has no FP8 weights and no quantization was given: the engine computes with "
                          "the checkpoint's own weights, load those")
     model = build_model(config, torch.float32, "meta")
-    tensors = {name: _read_all(source) for name, source in iterate_checkpoint(model_dir)}
+    tensors = {name: read_all(source) for name, source in iterate_checkpoint(model_dir)}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name.endswith(SCALE_SUFFIXES):

@@ -30,27 +30,14 @@ from megatron_kernels import get_op, invariant_fp8
 from megatron_kernels.fp8 import FP8_DTYPE, Block, quantize, scale_shape
 
 from .errors import UnsupportedModelError
-from .layers import (
-    ColumnParallelLinear,
-    GatheredRowLinear,
-    RowParallelLinear,
-    TensorSource,
-    _check_full,
-    _copy_checked,
-    _narrow,
-    _read_all,
-    is_fp8,
-)
+from .layers import ColumnParallelLinear, GatheredRowLinear, RowParallelLinear
 from .linears import PLAIN_LINEARS, Linears
 from .experts.moe import FusedExperts
 from .parallel import SINGLE, TensorParallel
 from .quantization import Fp8Scheme, QuantizationConfig
+from .tensor_source import TensorSource, check_full, copy_checked, is_fp8, narrow, read_all, shape_of
 
 Span = tuple[int, int]  # (start, length) along one dimension
-
-
-def _shape(source: TensorSource) -> tuple[int, ...]:
-    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
 def _checked_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -80,15 +67,15 @@ def fill_weight(weight: torch.Tensor, scales: torch.Tensor, source: TensorSource
     FP8 data is copied; floating-point data is quantized, which fills ``scales`` too (returns True).
     """
     if is_fp8(source):
-        _copy_checked(weight, _checked_fp8(_narrow(_narrow(source, -2, *rows), -1, *cols)))
+        copy_checked(weight, _checked_fp8(narrow(narrow(source, -2, *rows), -1, *cols)))
         return False
-    whole_rows = block is None and cols[1] != _shape(source)[-1]  # per-row scales need the whole row
-    values = _narrow(source, -2, *rows)
+    whole_rows = block is None and cols[1] != shape_of(source)[-1]  # per-row scales need the whole row
+    values = narrow(source, -2, *rows)
     if not whole_rows:
-        values = _narrow(values, -1, *cols)
+        values = narrow(values, -1, *cols)
     quantized, scale = quantize(values, block)
-    _copy_checked(weight, quantized.narrow(-1, *cols) if whole_rows else quantized)
-    _copy_checked(scales, scale)
+    copy_checked(weight, quantized.narrow(-1, *cols) if whole_rows else quantized)
+    copy_checked(scales, scale)
     return True
 
 
@@ -100,29 +87,29 @@ def fill_scales(scales: torch.Tensor, source: TensorSource, rows: Span, cols: Sp
     one per block of the full weight.
     """
     lead = tuple(scales.shape[:-2])
-    shape = _shape(source)
+    shape = shape_of(source)
     if block is None:
         if math.prod(shape) == math.prod(lead):  # per tensor
-            value = _checked_scales(_read_all(source)).reshape(*lead, 1, 1)
+            value = _checked_scales(read_all(source)).reshape(*lead, 1, 1)
             scales.copy_(value.expand_as(scales))
             return
         if shape not in ((*lead, full[0], 1), (*lead, full[0])):
             raise ValueError(f"scale shape {shape} does not fit: want one per tensor, or {(*lead, full[0], 1)} "
                              "(one per row)")
-        piece = _narrow(source, len(lead), *rows).reshape(*lead, rows[1], 1)
+        piece = narrow(source, len(lead), *rows).reshape(*lead, rows[1], 1)
     else:
         want = (*lead, *scale_shape(*full, block))
         if shape != want:
             raise ValueError(f"scale shape {shape} does not fit: want {want} ({block[0]}x{block[1]} blocks of "
                              f"{full[0]}x{full[1]})")
         bn, bk = block
-        piece = _narrow(source, -2, rows[0] // bn, -(-rows[1] // bn))
-        piece = _narrow(piece, -1, cols[0] // bk, -(-cols[1] // bk))
-    _copy_checked(scales, _checked_scales(piece))
+        piece = narrow(source, -2, rows[0] // bn, -(-rows[1] // bn))
+        piece = narrow(piece, -1, cols[0] // bk, -(-cols[1] // bk))
+    copy_checked(scales, _checked_scales(piece))
 
 
 def _input_scale(source: TensorSource) -> torch.Tensor:
-    value = _read_all(source)
+    value = read_all(source)
     if value.numel() != 1:
         raise ValueError(f"input_scale has shape {tuple(value.shape)}: want one value per tensor")
     return _checked_scales(value).reshape(())
@@ -180,7 +167,7 @@ class Fp8ColumnParallelLinear(ColumnParallelLinear):
         if param is self.weight_scale:
             fill_scales(scales, source, (start, length), cols, (self.features[name], cols[1]), self.block)
             return ()
-        _check_full(source, 0, self.features[name])
+        check_full(source, 0, self.features[name])
         filled = fill_weight(self.weight.data.narrow(0, offset, length), scales, source, (start, length), cols,
                              self.block)
         return ("weight_scale",) if filled else ()
@@ -216,7 +203,7 @@ class Fp8RowParallelLinear(RowParallelLinear):
         if param is self.weight_scale:
             fill_scales(self.weight_scale.data, source, rows, cols, full, self.block)
             return ()
-        _check_full(source, 1, full[1])
+        check_full(source, 1, full[1])
         filled = fill_weight(self.weight.data, self.weight_scale.data, source, rows, cols, self.block)
         return ("weight_scale",) if filled else ()
 
@@ -283,8 +270,8 @@ class Fp8FusedExperts(FusedExperts):
             if param is scales:
                 fill_scales(target_scales, source, rows, cols, full, self.block)
                 continue
-            _check_full(source, len(_shape(source)) - 2, full[0])
-            _check_full(source, len(_shape(source)) - 1, full[1])
+            check_full(source, len(shape_of(source)) - 2, full[0])
+            check_full(source, len(shape_of(source)) - 1, full[1])
             filled = fill_weight(target, target_scales, source, rows, cols, self.block) or filled
         return (f"{'down_proj' if down else 'gate_up_proj'}_scale",) if filled else ()
 

@@ -7,58 +7,17 @@ checkpoint tensor (``weight_loader``), so loading never needs the whole weight o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from megatron_kernels import dense, invariant
 from torch import nn
 
 from .parallel import SINGLE, TensorParallel
+from .tensor_source import TensorSource, check_full, copy_checked, narrow
 
 if TYPE_CHECKING:  # annotations only: the layers never build a config
     from .config import RopeConfig
-    from .linears import Linears
-
-# A checkpoint tensor handed to a loader: a safetensors slice (supports indexing) or a tensor.
-TensorSource = object
-
-
-def _narrow(source: TensorSource, dim: int, start: int, length: int) -> torch.Tensor:
-    """Read ``[start, start+length)`` along ``dim`` from a safetensors slice or a tensor."""
-    if isinstance(source, torch.Tensor):
-        return source.narrow(dim, start, length)
-    index = [slice(None)] * len(source.get_shape())
-    index[dim] = slice(start, start + length)
-    return source[tuple(index)]
-
-
-def _read_all(source: TensorSource) -> torch.Tensor:
-    return source if isinstance(source, torch.Tensor) else source[:]
-
-
-def _check_full(source: TensorSource, dim: int, size: int) -> None:
-    """A rank reads only its slice, so the full size of the split dimension is checked here: a larger
-    tensor would otherwise give a slice that fits."""
-    shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
-    if len(shape) <= dim or shape[dim] != size:
-        raise ValueError(f"shape {shape} does not fit: dimension {dim} must be {size}")
-
-
-def is_fp8(source: TensorSource) -> bool:
-    """Whether a checkpoint tensor holds e4m3 data (its values mean nothing without their scales)."""
-    if isinstance(source, torch.Tensor):
-        return source.dtype == torch.float8_e4m3fn
-    return source.get_dtype() == "F8_E4M3"
-
-
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    if is_fp8(loaded) != is_fp8(param):
-        raise ValueError("is FP8 but this layer is not quantized (its quantization_config leaves it in the model "
-                         "dtype)" if is_fp8(loaded) else f"has dtype {loaded.dtype} where FP8 data is expected")
-    param.data.copy_(loaded)
-
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; each rank's output is its slice (no communication).
@@ -104,8 +63,8 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         name = shard if shard is not None else next(iter(self.slices))
         offset, start, length = self.slices[name]
-        _check_full(source, 0, self.features[name])
-        _copy_checked(param.data.narrow(0, offset, length), _narrow(source, 0, start, length))
+        check_full(source, 0, self.features[name])
+        copy_checked(param.data.narrow(0, offset, length), narrow(source, 0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
@@ -146,8 +105,8 @@ class RowParallelLinear(nn.Module):
         self.batch_invariant = False
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
-        _check_full(source, 1, self.local_in * self.tp.size)
-        _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in))
+        check_full(source, 1, self.local_in * self.tp.size)
+        copy_checked(param, narrow(source, 1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
@@ -188,12 +147,26 @@ class ReplicatedLinear(nn.Module):
         return dense.linear(x, self.weight)
 
 
+class LayerBuilder(Protocol):
+    """What a block built of linear layers asks of the model's builder (:class:`.linears.Linears`, or its FP8
+    subclass): a layer for each checkpoint name, quantized where the model's quantization config says so. Named here,
+    beneath the builders, so that the blocks take any builder and import none."""
+
+    def column(self, name: str, parts: tuple[str, ...], in_features: int, shards: dict[str, tuple[int, int]],
+               bias: bool = False, tp: TensorParallel = SINGLE) -> ColumnParallelLinear:
+        """A column-parallel layer fusing ``parts`` (the checkpoint's projections under ``name``)."""
+
+    def row(self, name: str, in_features: int, out_features: int, tp: TensorParallel = SINGLE,
+            reduce: bool = True) -> RowParallelLinear | GatheredRowLinear:
+        """A row-parallel layer (``reduce=False``: its partial sums left to the caller)."""
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP: fused gate/up projection split by columns, down projection by rows (``linears`` builds
     them, ``name`` is the MLP's Hugging Face module name)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, silu_and_mul: Callable, linears: Linears, name: str,
-                 tp: TensorParallel = SINGLE, reduce: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, silu_and_mul: Callable, linears: LayerBuilder,
+                 name: str, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
         size = intermediate_size
         self.gate_up_proj = linears.column(name, ("gate_proj", "up_proj"), hidden_size,
@@ -222,9 +195,9 @@ class VocabParallelEmbedding(nn.Module):
         self.batch_invariant = False
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
-        _check_full(source, 0, self.vocab_size)
-        piece = _narrow(source, 0, self.start, self.local_rows)
-        _copy_checked(param.data.narrow(0, 0, self.local_rows), piece)
+        check_full(source, 0, self.vocab_size)
+        piece = narrow(source, 0, self.start, self.local_rows)
+        copy_checked(param.data.narrow(0, 0, self.local_rows), piece)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -4,6 +4,10 @@
 Every builder call names the layer as checkpoints name it (``model.layers.0.mlp``) and, for a fused
 layer, the checkpoint projections it holds (``gate_proj``, ``up_proj``): quantization configs
 select layers by those names.
+
+The blocks built of these layers take a builder by what they ask of it (:class:`.layers.LayerBuilder`,
+:class:`.experts.moe.ExpertsBuilder`), so the dependency runs one way: the builders import the layers and the
+experts, and neither imports a builder.
 """
 
 from __future__ import annotations

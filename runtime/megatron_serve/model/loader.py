@@ -25,11 +25,11 @@ from .finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .gguf.view import GGUF_SUFFIX, WEIGHTS_LINK
-from .layers import TensorSource, _copy_checked, _read_all
 from .llama import LlamaForCausalLM
 from .experts.moe import FusedExperts, expert_weight_name
 from .parallel import SINGLE, TensorParallel
 from .quantization import ONLINE, online_fp8
+from .tensor_source import TensorSource, copy_checked, read_all
 
 # checkpoint projection name -> (fused module name, shard id)
 FUSED_PROJECTIONS = {
@@ -182,7 +182,7 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
 
 
 def _copy_whole(param: torch.nn.Parameter, source: TensorSource) -> None:
-    _copy_checked(param, _read_all(source))
+    copy_checked(param, read_all(source))
 
 
 def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSource]],

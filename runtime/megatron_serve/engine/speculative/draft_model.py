@@ -29,8 +29,8 @@ import torch
 
 from ...config import InferenceConfig
 from ...model.config import ModelConfig
-from ...model.layers import TensorSource
 from ...model.loader import load_model, load_weights as load_model_weights, verify_shapes
+from ...model.tensor_source import TensorSource
 from ..sizing import default_dtype
 from .draft_cache import DraftCache, DraftRows, chain_guesses, guesses_wanted
 from .proposer import DraftInput

@@ -24,8 +24,8 @@ import torch
 
 from ...config import InferenceConfig
 from ...model.eagle3 import Eagle3Head
-from ...model.layers import TensorSource
 from ...model.llama import LlamaForCausalLM
+from ...model.tensor_source import TensorSource
 from .draft_cache import DraftCache, DraftRows
 from .mtp import MtpProposer
 

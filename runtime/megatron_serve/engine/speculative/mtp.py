@@ -31,10 +31,10 @@ from typing import Iterable, Sequence
 import torch
 
 from ...config import InferenceConfig
-from ...model.layers import TensorSource
 from ...model.llama import LlamaForCausalLM
 from ...model.loader import _default_dtype, iterate_checkpoint, load_weights as load_model_weights
 from ...model.mtp import MtpLayers
+from ...model.tensor_source import TensorSource
 from .draft_cache import DraftCache, DraftRows, chain_guesses, guesses_wanted
 from .proposer import DraftInput
 

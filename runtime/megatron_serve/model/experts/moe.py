@@ -20,22 +20,22 @@ shared expert is replicated then, and runs on the tokens the rank combines.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant
 
-from ..layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
+from ..layers import GatedMLP, LayerBuilder, ReplicatedLinear
 from .eplb import LayerPlacement
 from ..parallel import SINGLE, TensorParallel
+from ..tensor_source import TensorSource, check_full, copy_checked, narrow
 from .token_dispatcher import AllToAllDispatcher, DataParallelDispatcher, TokenDispatcher
 
 if TYPE_CHECKING:  # annotations only: the experts read configs, never build them
     from ..config import ModelConfig
     from ..families import MoEConfig
-    from ..linears import Linears
 
 # Hub names of one expert's projections: (stacked parameter, part of it)
 _EXPERT_PROJECTIONS = {
@@ -134,11 +134,11 @@ class FusedExperts(nn.Module):
             return [(source, slot) for slot, held in enumerate(self.slots) if held == expert]
         if self.slots == list(range(self.num_experts)):
             return [(source, slice(None))]
-        _check_full(source, 0, self.num_experts)
+        check_full(source, 0, self.num_experts)
         first = self.slots[0]
         if self.slots == list(range(first, first + len(self.slots))):
-            return [(_narrow(source, 0, first, len(self.slots)), slice(None))]
-        return [(_narrow(source, 0, held, 1), slice(slot, slot + 1)) for slot, held in enumerate(self.slots)]
+            return [(narrow(source, 0, first, len(self.slots)), slice(None))]
+        return [(narrow(source, 0, held, 1), slice(slot, slot + 1)) for slot, held in enumerate(self.slots)]
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
                       expert: int | None = None) -> None:
@@ -152,19 +152,19 @@ class FusedExperts(nn.Module):
         stacked = isinstance(index, slice)
         target = param.data[index]
         if param is self.down_proj:
-            _check_full(source, target.dim() - 1, size)
-            _copy_checked(target, _narrow(source, target.dim() - 1, start, length))
+            check_full(source, target.dim() - 1, size)
+            copy_checked(target, narrow(source, target.dim() - 1, start, length))
             return
-        _check_full(source, 1 if stacked else 0, 2 * size if stacked else size)
+        check_full(source, 1 if stacked else 0, 2 * size if stacked else size)
         parts = ("gate", "up") if part is None else (part,)
         for name in parts:
             offset = 0 if name == "gate" else length
             rows = target.narrow(-2, offset, length)
             if stacked:  # stacked [E, 2 * I, H]: gate rows first, then up rows
-                piece = _narrow(source, 1, start + (0 if name == "gate" else size), length)
+                piece = narrow(source, 1, start + (0 if name == "gate" else size), length)
             else:
-                piece = _narrow(source, 0, start, length)
-            _copy_checked(rows, piece)
+                piece = narrow(source, 0, start, length)
+            copy_checked(rows, piece)
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,6 +182,16 @@ def expert_projection_names(family: str, layer: str, num_experts: int) -> tuple[
                                  for p in ("gate_proj", "up_proj", "down_proj"))
 
 
+class ExpertsBuilder(LayerBuilder, Protocol):
+    """What an MoE block asks of the model's builder (:class:`.linears.Linears`, or its FP8 subclass): the dense
+    layers of its shared expert, and one layer's experts. Named here, beside the experts it builds, so that the block
+    takes any builder and imports none."""
+
+    def experts(self, name: str, parts: tuple[str, ...], num_experts: int, hidden_size: int, intermediate_size: int,
+                tp: TensorParallel, device: torch.device) -> FusedExperts:
+        """One MoE layer's experts; ``parts`` are every expert's projections under ``name``."""
+
+
 class SparseMoeBlock(nn.Module):
     """Router, top-k experts and (Qwen2-MoE) a gated shared expert, in place of a dense MLP.
 
@@ -189,8 +199,8 @@ class SparseMoeBlock(nn.Module):
     say what checkpoints call them.
     """
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, silu_and_mul: Callable, linears: Linears, family: str,
-                 layer: str, tp: TensorParallel = SINGLE, device: torch.device | str = "cpu"):
+    def __init__(self, hidden_size: int, moe: MoEConfig, silu_and_mul: Callable, linears: ExpertsBuilder,
+                 family: str, layer: str, tp: TensorParallel = SINGLE, device: torch.device | str = "cpu"):
         super().__init__()
         self.tp = tp
         self.top_k = moe.top_k
