@@ -5,10 +5,12 @@ Megatron-core's users drive the engine themselves: ``engine.add_request(DynamicI
 output's ``request``); ``abort_request`` and ``take_unfinished_requests`` hand the public requests back
 (``MegatronLLM.engine`` is such an engine). Inside, a request is its :class:`~.sequence.Sequence`, built from an
 ``EngineRequest``, and a step makes outputs (:class:`~.steps.StepOutput`: new tokens and what goes with them, the
-final record once done). :class:`ExpertApi` turns each public request added into the ``EngineRequest`` the engine
-takes, and applies each output of such a request to it as the output is made (a step's tokens are on the request
-once the step is read, as an engine process sends them then), the final record's status, events and times
-included: the request ends up as a client's collector would complete it, text aside (the engine makes none).
+final record once done, and the caller's record of the request, a type parameter that this module fills with the
+public request, so that the steps name no public type). :class:`ExpertApi` turns each public request added into the
+``EngineRequest`` the engine takes, and applies each output of such a request to it as the output is made (a step's
+tokens are on the request once the step is read, as an engine process sends them then), the final record's status,
+events and times included: the request ends up as a client's collector would complete it, text aside (the engine
+makes none).
 
 Requests that come as ``EngineRequest`` (an engine process, the in-process client) pass through untouched, and
 while no public request is in the engine nothing here runs but one check per step.
@@ -76,7 +78,7 @@ class ExpertApi:
         if earlier is not None:  # a second request of a live id: refused alone above, the first one goes on
             self._added[request_id] = earlier
 
-    def apply(self, outputs: list[StepOutput]) -> None:
+    def apply(self, outputs: list[StepOutput[Public]]) -> None:
         """Apply each output of a public request to it, as the output is made (the scheduler's ``emitted``)."""
         added = self._added
         if not added:
@@ -125,7 +127,7 @@ class ExpertApi:
         return _end(entry, final)
 
 
-def _extend(request: DynamicInferenceRequest, out: StepOutput) -> None:
+def _extend(request: DynamicInferenceRequest, out: StepOutput[Public]) -> None:
     """Append an output's several tokens (a verify step's accepted drafts and one more) and what goes with them."""
     n = len(out.new_tokens)
     request.generated_tokens += out.new_tokens

@@ -6,7 +6,7 @@ out: one per request, as an engine process sends a step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -16,8 +16,9 @@ from ..wire.request import FinalRecord
 from .sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence
 
-if TYPE_CHECKING:
-    from .expert_api import Public
+#: The record a caller added a request as, when it was not the engine's own request (Megatron's expert API's public
+#: request, :mod:`.expert_api`): handed back with each output, never read here.
+Record = TypeVar("Record")
 
 
 @dataclass
@@ -33,9 +34,10 @@ class Emitted:
 
 
 @dataclass(slots=True)
-class StepOutput:
+class StepOutput(Generic[Record]):
     """What one step did for one request, with every fact its delta carries (:func:`.output.step_delta` copies them):
-    the tokens it added and what was asked to go with them, and whether it is done."""
+    the tokens it added and what was asked to go with them, and whether it is done. Generic in the caller's record it
+    carries back (``request``), which the adapter that added it sets and types (:mod:`.expert_api`)."""
 
     request_id: str
     new_tokens: list[int]
@@ -51,9 +53,9 @@ class StepOutput:
     prompt_scores: PromptScores | None = None
     final: FinalRecord | None = None  # once finished: the record without what the deltas carried
     stop_token: bool = False  # the last new token is the stop id that ended it (kept in the ids, not in the text)
-    request: Public | None = None  # the public request, for one added so (Megatron's expert API: .expert_api)
+    request: Record | None = None  # the caller's record of the request, for one added as such (.expert_api)
 
-    def extend(self, later: "StepOutput") -> None:
+    def extend(self, later: StepOutput[Record]) -> None:
         """Append what a later output of the same request added (one output per request and step is what the
         engine's readers get: an engine process sends a step as one delta per request)."""
         if not self.new_tokens:
