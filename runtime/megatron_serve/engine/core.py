@@ -383,13 +383,13 @@ def _group_leader(cls: type[DynamicInferenceEngine], model_dir: str | Path, conf
     ranks are started and joined first, and abandoned when the model or the engine fails to load."""
     from .group.leader import TensorParallelRunner  # noqa: PLC0415
     from .group.spawn import abandon_group, start_rank_zero  # noqa: PLC0415
-    from .group.survival import GroupSurvival, survivable  # noqa: PLC0415
+    from .group.survival import GroupSurvival  # noqa: PLC0415
 
     tp, channel, device, workers = start_rank_zero(str(model_dir), config)
     try:
         model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
         buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
-        survival = GroupSurvival(model, channel, model_dir, config) if survivable(config) else None
+        survival = GroupSurvival(model, channel, model_dir, config) if config.elastic_expert_group else None
         runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
                                       graphs_for(model, config, buffers), survival)
         return cls(model, tokenizer, config, runner, model_dir)

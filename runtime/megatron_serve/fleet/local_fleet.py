@@ -329,7 +329,8 @@ class LocalFleet:
                 child.env.update(MASTER_ADDR=self.rendezvous_host, MASTER_PORT=port,
                                  WORLD_SIZE=str(self.ranks_per_engine * size), NPROC_PER_NODE=str(self.ranks_per_engine))
 
-        return self._supervisor.start_gang(Gang(f"group {group}", members, renew))
+        config = dataclasses.replace(self.inference_config or InferenceConfig(), data_parallel_size=size)
+        return self._supervisor.start_gang(Gang(f"group {group}", members, renew, config.elastic_expert_group))
 
     def supervise(self, on: bool = True) -> None:
         """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause

@@ -13,7 +13,10 @@ span all of them) lives and dies as one, as the operator's gangs do: when one me
 for, the gang is given a fresh rendezvous, and every member starts again together. Restarted one by one,
 the ranks would come back to the old port each after its own back-off (a peer that has not yet noticed
 the loss, e.g. one stuck in a step, would not be restarted at all), while processes of the old gang might
-still hold that port.
+still hold that port. A gang of an elastic expert group (``InferenceConfig.elastic_expert_group``: its ranks serve
+on without a lost one, and a rank's restart joins them in place, ``engine/group/membership.py``) restarts only the
+member it lost, as a child of its own, unless that member is the first, whose process hosts the rendezvous store
+the others meet in: then the gang restarts as above.
 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
 (:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
@@ -64,6 +67,7 @@ class Gang:
     name: str  # for the log: "group 0"
     members: list[Child]
     renew: Callable[[], None]
+    elastic: bool = False  # members after the first serve on without a lost one, which restarts alone and joins
     started: float = 0.0
     delay: float = 0.0
     restart_at: float | None = None
@@ -195,16 +199,19 @@ class Supervisor:
                 child.retired = True
                 logger.warning("%s exited normally (exit code 0): it is not restarted", child.name)
                 continue
-            uptime = now - child.started
-            child.delay = self.initial if uptime >= self.stable or not child.delay else min(child.delay * 2,
-                                                                                             self.maximum)
-            child.restart_at = now + child.delay
-            cause = exit_cause(code)
-            child.causes.append(cause)
-            said = (log_tail(child.log, 1) or "").strip() if code > 0 and child.log is not None else ""
-            logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs (restart %d; log: %s)", child.name,
-                           cause, uptime, f"; its last line: {said}" if said else "", child.delay,
-                           len(child.causes), child.log or "above")
+            self._schedule(child, code, now)
+
+    def _schedule(self, child: Child, code: int, now: float, why: str = "") -> None:
+        """``child`` died with ``code``: start it again after its back-off, saying so."""
+        uptime = now - child.started
+        child.delay = self.initial if uptime >= self.stable or not child.delay else min(child.delay * 2, self.maximum)
+        child.restart_at = now + child.delay
+        cause = exit_cause(code)
+        child.causes.append(cause)
+        said = (log_tail(child.log, 1) or "").strip() if code > 0 and child.log is not None else ""
+        logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs%s (restart %d; log: %s)", child.name,
+                       cause, uptime, f"; its last line: {said}" if said else "", child.delay, why,
+                       len(child.causes), child.log or "above")
 
     def _check_gang(self, gang: Gang, now: float) -> None:
         if gang.restart_at is not None:
@@ -213,6 +220,10 @@ class Supervisor:
             return
         dead = []
         for child in gang.members:
+            if child.restart_at is not None:  # an elastic gang's member, restarting alone
+                if now >= child.restart_at:
+                    self._start(child)
+                continue
             code = None if child.retired or child.proc is None else child.proc.poll()
             if code == 0:
                 child.retired = True
@@ -220,6 +231,11 @@ class Supervisor:
             elif code is not None:
                 dead.append((child, code))
         if not dead:
+            return
+        if gang.elastic and all(child is not gang.members[0] for child, _ in dead):
+            for child, code in dead:
+                end_process_group(child.proc)  # its tensor-parallel workers, if any
+                self._schedule(child, code, now, ", alone: it joins the ranks that serve on")
             return
         for child in gang.members:  # the peers (which exit on their own once a collective fails) and their workers
             end_process_group(child.proc)

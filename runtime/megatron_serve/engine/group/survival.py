@@ -8,10 +8,12 @@ with it fails; each calls :meth:`GroupSurvival.rejoin` with where it stopped, wh
 agrees with them on one step boundary (:func:`.regroup.regroup`), points the model's groups at the new group (one
 :class:`~megatron_serve.model.parallel.TensorParallel`, shared by every layer) and places the experts over the ranks
 left (:func:`~megatron_serve.engine.expert_recovery.recover_experts`: moved among the survivors, the lost rank's own
-read back from the checkpoint). The runner then resumes as :class:`.regroup.Resume` says.
+read back from the checkpoint). The runner then resumes as :class:`.regroup.Resume` says. The same object takes part
+in a planned change (:mod:`.membership`): a rank that joins (:meth:`GroupSurvival.join`), ranks that leave
+(:meth:`GroupSurvival.change`, asked for by :meth:`GroupSurvival.scale`).
 
 Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has at least
-three ranks (two leave one alone) and EPLB is off; elsewhere a loss still ends the group (worker ranks' groups and
+three ranks (two leave one alone) and EPLB is off (``InferenceConfig.elastic_expert_group``); elsewhere a loss still ends the group (worker ranks' groups and
 NCCL communicators are not rebuilt here; under EPLB a move in flight runs on a group of its own, at a step the
 agreement does not count).
 """
@@ -44,12 +46,6 @@ logger = logging.getLogger(__name__)
 #: The longest a survivor waits for the others in the store (to register, then to say where they stopped): far
 #: under the collective timeout, so a survivor that cannot agree exits long before any collective would time out.
 REGROUP_WAIT_S = 30.0
-
-
-def survivable(config: InferenceConfig) -> bool:
-    """Whether this engine's group can serve on without a lost rank (see the module docstring)."""
-    return (config.data_parallel_size > 2 and config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1
-            and torch.device(config.device).type == "cpu" and not config.enable_eplb)
 
 
 class GroupSurvival:

@@ -1,0 +1,69 @@
+"""``megatron-serve run --data-parallel-size 3 --enable-expert-parallel`` on CPU: an elastic expert group
+(``InferenceConfig.elastic_expert_group``). A rank's engine SIGKILLed with streams in flight: the other two serve
+on in their processes (no gang restart), ``run`` restarts the lost rank alone, it joins the running group, and every
+stream ends with the tokens of an uninterrupted run (``--batch-invariant``: a token's result depends neither on the
+rank count nor on where its experts run); ``control scale_ep --size 2`` then takes the highest rank out, which exits
+0 and is not restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from megatron_serve.model.tiny import make_tiny_model
+from tests.run_stack import complete, start_run, stream
+
+from .test_data_parallel_gang_run import data_parallel_rank
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = [f"Elastic {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(6)]
+TOKENS = 32
+KILLED = 1
+
+
+async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out(tmp_path):
+    model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
+                                num_experts=6, num_experts_per_tok=2))  # experts over 3 ranks, then 2
+    logs = tmp_path / "logs"
+    stack = start_run(model, tmp_path / "run", "--data-parallel-size", "3", "--enable-expert-parallel",
+                      "--batch-invariant", "--log-dir", str(logs), engines=1)
+    try:
+        await stack.wait_engines(3, timeout=300)
+        ranks = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
+        async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
+            quiet = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
+            streaming = asyncio.Event()
+            tasks = [asyncio.create_task(stream(http, stack.model, p, TOKENS, streaming)) for p in PROMPTS]
+            await asyncio.wait_for(streaming.wait(), 300)
+            os.kill(ranks[KILLED], signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert [o.tokens for o in outcomes] == [q.tokens for q in quiet], [o.error for o in outcomes]
+            deadline = time.monotonic() + 120
+            while f"expert-parallel rank {KILLED} is rank {KILLED} of 3" not in stack.output() + "".join(
+                    log.read_text(errors="replace") for log in logs.glob("engine-*.log")):
+                assert time.monotonic() < deadline, stack.output()[-3000:]
+                await asyncio.sleep(0.1)
+            await stack.wait_engines(3, timeout=120)
+            again = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
+            assert {r: again[r] for r in (0, 2)} == {r: ranks[r] for r in (0, 2)}  # they served on: no gang restart
+            assert again[KILLED] != ranks[KILLED] and "alone: it joins the ranks that serve on" in stack.output()
+            after = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
+            assert [a.tokens for a in after] == [q.tokens for q in quiet]
+
+            assert "scale_ep" in stack.control("scale_ep", "--size", "2")
+            deadline = time.monotonic() + 60
+            while again[2] in stack.children()["engine"]:
+                assert time.monotonic() < deadline, stack.output()[-3000:]
+                await asyncio.sleep(0.1)
+            await stack.wait_engines(2, timeout=60)
+            assert "exited normally (exit code 0): it is not restarted" in stack.output()
+            smaller = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
+            assert [s.tokens for s in smaller] == [q.tokens for q in quiet]
+    finally:
+        stack.kill()
