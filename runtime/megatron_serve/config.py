@@ -350,10 +350,6 @@ class InferenceConfig:
         if not self.enable_expert_parallel:
             raise ValueError("enable_eplb balances the experts of an expert-parallel group: it needs "
                              "enable_expert_parallel")
-        if self.enable_lora:
-            raise ValueError("enable_eplb (--enable-eplb) cannot run with enable_lora (--enable-lora) yet: each rank "
-                             "holds an adapter's shares of its own experts only, and those shares do not follow the "
-                             "experts' replicas when EPLB moves them")
         self.eplb_config = self.eplb_config or EplbConfig()
 
     def _check_all2all(self) -> None:

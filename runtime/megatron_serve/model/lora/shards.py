@@ -14,7 +14,8 @@ expert's intermediate dimension, so ``gate_up_proj`` is column-parallel (``A`` r
 rank's gate slice and of its up slice) and ``down_proj`` row-parallel (``A``'s columns of the slice, ``B``
 replicated). The expert hook recomputes a row's experts with ``W + B A`` from these shares: the rank's result is
 a partial sum like the fused kernel's, and joins the MoE block's one reduction with the shared expert's. Under
-expert parallelism a rank keeps whole experts, so it keeps those experts' ``A`` and ``B`` whole.
+expert parallelism a rank keeps whole experts, so it keeps those experts' ``A`` and ``B`` whole, one row per slot of
+its stack (under EPLB a replica's row is its logical expert's; the slots re-cut them when experts move).
 """
 
 from __future__ import annotations

@@ -117,7 +117,14 @@ class _SlotWeights:
 class _ExpertSlotWeights:
     """One MoE layer's expert LoRA weights per slot, ``[slots, E, rank, in]`` and ``[slots, E, out, rank]`` for each
     expert projection (this rank's share under TP: :func:`.lora_shards.expert_share`), and the hook that recomputes
-    the adapted rows."""
+    the adapted rows.
+
+    Under expert parallelism row ``i`` of a slot's table belongs to the expert in the rank's stack slot ``i``
+    (``experts.slots``: a logical expert, once per replica under EPLB). EPLB moves experts between the ranks and
+    within a stack (:mod:`..experts.moves`), so each slot keeps its adapter's expert tensors (the host copy) and the
+    placement its rows were cut for; the hook cuts them again from that copy before it applies a slot whose experts
+    moved since. Every replica of an expert thus holds the same rows, and a row's result does not depend on which
+    replica ran it."""
 
     def __init__(self, experts: FusedExperts, slots: int, rank: int, rows: LoraRows, device: torch.device,
                  dtype: torch.dtype, batch_invariant: bool):
@@ -129,20 +136,28 @@ class _ExpertSlotWeights:
             count, out_features, in_features = getattr(experts, projection.rpartition(".")[2]).shape
             self.a[projection] = torch.zeros(slots, count, rank, in_features, device=device, dtype=dtype)
             self.b[projection] = torch.zeros(slots, count, out_features, rank, device=device, dtype=dtype)
-        self.used = [False] * slots  # the slot's adapter adapts these experts
+        # each slot's adapter's (A, B) of this layer's expert projections (empty: it adapts none of them; its rows
+        # stay zero), and the experts' placement (``experts.slots``) the rows were cut for
+        self.sources: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(slots)]
+        self.placed: list[list[int]] = [list(experts.slots) for _ in range(slots)]
         self.rows = rows
 
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
-        self.used[slot] = False
+        self.sources[slot] = {projection: pair for projection in EXPERT_PROJECTIONS
+                              if (pair := adapter.weights.get((layer, projection))) is not None}
+        self._cut(slot)
+
+    def _cut(self, slot: int) -> None:
+        """Fill ``slot``'s rows with this rank's share of its adapter for the experts where they sit now."""
         for projection in EXPERT_PROJECTIONS:
             self.a[projection][slot].zero_()
             self.b[projection][slot].zero_()
-            pair = adapter.weights.get((layer, projection))
+            pair = self.sources[slot].get(projection)
             if pair is not None:
                 a, b = expert_share(projection, *pair, self.experts)
                 self.a[projection][slot, :, : a.shape[1]].copy_(a)
                 self.b[projection][slot, :, :, : a.shape[1]].copy_(b)
-                self.used[slot] = True
+        self.placed[slot] = list(self.experts.slots)
 
     def __call__(self, module: FusedExperts, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         batch = self.rows.batch
@@ -150,7 +165,9 @@ class _ExpertSlotWeights:
             return output
         hidden, weights, ids, *tokens = args  # tokens: the token of each row, under expert parallelism
         for slot, start, end in batch.segments:
-            if self.used[slot]:
+            if self.sources[slot]:
+                if self.placed[slot] != module.slots:  # EPLB moved the experts since the slot was cut
+                    self._cut(slot)
                 rows = batch.order[start:end]
                 if tokens:  # the dispatched rows that came from this slot's tokens
                     rows = torch.isin(tokens[0], rows).nonzero().squeeze(1)
