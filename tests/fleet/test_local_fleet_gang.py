@@ -136,3 +136,35 @@ def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
         fleet.kill()
     assert sorted(fleet.restarts) == ["engine 2 (group 1, data-parallel rank 0)",
                                       "engine 3 (group 1, data-parallel rank 1)"]
+
+
+def test_an_elastic_group_restarts_a_lost_rank_alone_on_its_rendezvous_and_the_gang_when_rank_0_is_lost(
+        standin, tmp_path, caplog):
+    """``run -dp 3 --enable-expert-parallel`` on CPU (``InferenceConfig.elastic_expert_group``): the ranks left serve
+    on and the lost one's restart joins them, so only it starts again, at the same rendezvous; rank 0 hosts the
+    store they meet in, so its loss still restarts the gang on a fresh one."""
+    python, engines = standin
+    caplog.set_level(logging.WARNING, "megatron_serve.local_fleet")
+    fleet = LocalFleet(tmp_path / "model", 1, InferenceConfig(enable_expert_parallel=True), python=str(python),
+                       log_dir=tmp_path / "logs", data_parallel_size=3)
+    try:
+        fleet.start(timeout=60)
+        wait_until(lambda: len(engines()) == 3, 60, "the three ranks")
+        first = {flag(s["args"], "--data-parallel-rank"): s for s in engines()}
+        fleet.supervise()
+        os.kill(first["1"]["pid"], signal.SIGKILL)
+        wait_until(lambda: len(engines()) == 4, 60, "rank 1 started again")
+        (restarted,) = engines()[3:]
+        assert flag(restarted["args"], "--data-parallel-rank") == "1"
+        assert restarted["rendezvous"] == first["1"]["rendezvous"]  # where the ranks left still meet
+        assert all(alive(first[rank]["pid"]) for rank in ("0", "2"))  # they serve on
+        os.kill(first["0"]["pid"], signal.SIGKILL)
+        wait_until(lambda: len(engines()) == 7, 60, "the gang started again")
+        again = engines()[4:]
+        assert sorted(flag(s["args"], "--data-parallel-rank") for s in again) == ["0", "1", "2"]
+        assert again[0]["rendezvous"][1] != first["0"]["rendezvous"][1]
+    finally:
+        fleet.kill()
+    assert any("engine 1 (group 0, data-parallel rank 1) died (killed by SIGKILL" in r.getMessage()
+               and "alone: it joins the ranks that serve on" in r.getMessage() for r in caplog.records)
+    assert any("group 0 lost engine 0 (group 0, data-parallel rank 0)" in r.getMessage() for r in caplog.records)
