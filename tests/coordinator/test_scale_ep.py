@@ -69,3 +69,15 @@ def test_the_leaving_rank_is_routed_nothing_more_and_what_it_hands_back_goes_to_
     assert not h.take(ENGINES[2], Header.ENGINE_SUBMIT)  # draining: it leaves at the group's next turn
     engines = {e["id"]: e for e in h.core.status(Status(), h.now).engines}
     assert engines[ids[2]]["state"] == "DRAINING"
+
+
+def test_an_engine_that_cannot_change_its_group_refuses_the_verb_naming_itself():
+    h = CoreHarness()
+    h.client(C)
+    ids = group_of_three(h)
+    h.send(C, Header.SCALE_EP, ScaleEp(control_id="s", size=2))
+    why = "scale-ep 2: this engine is not a rank of an expert-parallel group of data-parallel attention ranks ..."
+    for identity in ENGINES:
+        h.send(identity, Header.CONTROL_ACK, ControlAck(control_id="s#0", state="RUNNING", detail={"error": why}))
+    [error] = h.take(C, Header.ERROR)
+    assert error.code == "invalid_request" and error.message == f"SCALE_EP refused by engine {ids[0]} and 2 more: {why}"

@@ -30,6 +30,16 @@ def scale_problem(engines: Iterable[EngineRecord], size: int | None) -> str | No
     return None
 
 
+def scale_refused(engines: dict[str, dict[str, Any]]) -> str | None:
+    """What refused SCALE_EP, from the engines' acknowledgements (an engine not of an elastic group, say), naming
+    the first engine that did; None when none did."""
+    refusals = sorted((engine_id, facts["error"]) for engine_id, facts in engines.items() if facts.get("error"))
+    if not refusals:
+        return None
+    more = f" and {len(refusals) - 1} more" if len(refusals) > 1 else ""
+    return f"SCALE_EP refused by engine {refusals[0][0]}{more}: {refusals[0][1]}"
+
+
 def leave(core: "CoordinatorCore", engine: EngineRecord, handed_back: list[Any]) -> None:
     """``engine`` leaves its expert-parallel group: nothing more is routed to it, and the requests it handed back are
     resubmitted to the others (what it still holds when it exits is resubmitted then, as for any engine gone)."""

@@ -62,7 +62,7 @@ from ..wire.controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetP
 from ..wire.handshake import Error
 from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
-from .expert_group import leave, scale_problem
+from .expert_group import leave, scale_problem, scale_refused
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 
@@ -507,6 +507,11 @@ class VerbRunner:
         if op.verb is Verb.SCALE_EP:
             leaving = sorted(engine_id for engine_id, facts in op.engines.items() if facts.get("leaving"))
             detail.update(noop=False, wanted=op.size, leaving=leaving)
+            refused = scale_refused(op.engines)
+            if refused is not None:
+                self._answer(op, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=refused,
+                                                     control_id=op.control_id, detail=detail))
+                return
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
