@@ -73,26 +73,25 @@ def _refuse_tensor_parallel(layer: torch.nn.Module) -> None:
                          "row-parallel all-reduce adds the ranks' partial sums in an order of its own)")
 
 
-class InvariantColumnParallelLinear(ColumnParallelLinear):
+class _InvariantProduct:
+    """What the invariant linears change of Megatron-core's two, the same for both: the product through the engine's
+    GEMM (:func:`_invariant_forward_impl`), at tensor parallel size 1 only. First among the bases, before the
+    Megatron-core linear it changes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_tensor_parallel(self)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - Megatron-core's name
+        return _invariant_forward_impl(input, weight, *args, **kwargs)
+
+
+class InvariantColumnParallelLinear(_InvariantProduct, ColumnParallelLinear):
     """``ColumnParallelLinear`` whose product is the engine's GEMM (:func:`~.invariant.linear`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        _refuse_tensor_parallel(self)
 
-    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - Megatron-core's name
-        return _invariant_forward_impl(input, weight, *args, **kwargs)
-
-
-class InvariantRowParallelLinear(RowParallelLinear):
+class InvariantRowParallelLinear(_InvariantProduct, RowParallelLinear):
     """``RowParallelLinear`` whose product is the engine's GEMM (:func:`~.invariant.linear`)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        _refuse_tensor_parallel(self)
-
-    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - Megatron-core's name
-        return _invariant_forward_impl(input, weight, *args, **kwargs)
 
 
 class InvariantRMSNorm(torch.nn.Module):
