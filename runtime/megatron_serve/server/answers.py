@@ -164,6 +164,7 @@ class StreamedAnswer:
         self._prompt_tokens = prompt_tokens
         usage = running_usage(req, prompt_tokens, self.choices)
         self.writer = ChunkWriter(handler.id, kind, handler.created, req.model, text_choice, usage)
+        self._text = self.writer.text  # bound once: the plain pieces' path is most of a stream's work
         # Choices whose pieces are text alone (no log probs, token ids or running usage; in a chat, no tool calls to
         # read): a subclass marks each after its first piece, and the later pieces' chunks are the writer's plain
         # text chunks (ChunkWriter.text), without the choices' bookkeeping (which serves only the others)
@@ -174,7 +175,7 @@ class StreamedAnswer:
         """The events of one arrived item: a plain text piece's from the writer's :meth:`~.chunks.ChunkWriter.text`,
         any other's from the subclass (:meth:`whole_item`), which marks the plain choices with their first piece."""
         if id(job) in self.texted and type(item) is StreamPartial:
-            return self.writer.text(job.index, item.new_text) if item.new_text else b""
+            return self._text(job.index, item.new_text) if item.new_text else b""
         return self.whole_item(job, item)
 
     def whole_item(self, job: EngineJob, item: Any) -> bytes:

@@ -92,10 +92,10 @@ class ChunkWriter:
     def text(self, index: int, text: str) -> bytes:
         """The chunk of ``text_choice(index, text)`` alone: from the bytes around the text, cut once per choice
         (every chunk's running usage varies too: then :meth:`chunk` each time)."""
-        around = self._around.get(index)
-        if around is None:
+        try:
+            before, after = self._around[index]
+        except KeyError:
             if self._running_usage is not None:
                 return self.chunk([self._text_choice(index, text)])
-            before, after = self.chunk([self._text_choice(index, SLOT)]).split(_SLOT_JSON)
-            around = self._around[index] = (before, after)
-        return around[0] + _escape_breaks(_JSON.encode(text)) + around[1]
+            before, after = self._around[index] = tuple(self.chunk([self._text_choice(index, SLOT)]).split(_SLOT_JSON))
+        return before + _escape_breaks(_JSON.encode(text)) + after
