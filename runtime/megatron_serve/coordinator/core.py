@@ -44,7 +44,7 @@ from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
-from .requests import Phase, RequestRecord, RequestTable, without_record
+from .requests import Phase, RequestRecord, RequestTable, final_facts, without_record
 from .step_tokens import StepShares, catch_up
 from .verbs import VerbRunner
 
@@ -75,16 +75,6 @@ _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
-
-
-class _FinalFacts(msgspec.Struct):
-    """What the coordinator reads of an engine's final record (the rest is skipped, not parsed)."""
-
-    status: str | None = None
-    finish_reason: str | None = None
-
-
-_FINAL_FACTS = msgspec.msgpack.Decoder(_FinalFacts | None)
 
 
 class CoordinatorCore:
@@ -479,7 +469,7 @@ class CoordinatorCore:
             self.finish_here(record, "COMPLETED", "length", "finished without a record")
             return
         try:
-            facts = _FINAL_FACTS.decode(out.request)  # None when the engine sent nil
+            facts = final_facts(out.request)  # None when the engine sent nil
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
             facts = None

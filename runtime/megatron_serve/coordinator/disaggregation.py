@@ -28,7 +28,7 @@ import msgspec
 from ..wire.kv_blocks import KVBlocks, remote_decode, remote_prefill
 from ..wire.deltas import RequestDelta
 from ..wire.submission import EngineSubmitOut
-from .requests import RequestRecord
+from .requests import RequestRecord, final_facts
 
 if TYPE_CHECKING:
     from .core import CoordinatorCore
@@ -37,12 +37,6 @@ if TYPE_CHECKING:
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 
 
-class _Facts(msgspec.Struct):
-    status: str | None = None
-    finish_reason: str | None = None
-
-
-_FACTS = msgspec.msgpack.Decoder(_Facts | None)
 _PARAMS = msgspec.msgpack.Encoder()
 
 
@@ -127,7 +121,7 @@ class Handoffs:
             return False
         del self.prefilling[rid]
         try:
-            facts = _FACTS.decode(out.request) if out.request is not msgspec.UNSET else None
+            facts = final_facts(out.request) if out.request is not msgspec.UNSET else None
         except (msgspec.ValidationError, msgspec.DecodeError):
             facts = None
         if facts is None or facts.status != "COMPLETED" or facts.finish_reason != "length" or record.exhausted():

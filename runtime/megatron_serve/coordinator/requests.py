@@ -15,7 +15,7 @@ What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, fo
 a client that reconnects gets the tokens it missed again, whole (a catch-up in ``STEP_TOKENS``).
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
-coordinator never parses it (the client validates it where it enters its process).
+coordinator reads only how it ended (:func:`final_facts`; the client validates it where it enters its process).
 """
 
 from __future__ import annotations
@@ -134,6 +134,21 @@ class RequestRecord:
         if out.routing is not None:  # every row: the client keeps those it has
             delta.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return delta
+
+
+class FinalFacts(msgspec.Struct):
+    """What the coordinator reads of an engine's final record: how it ended (the rest is skipped, not parsed)."""
+
+    status: str | None = None
+    finish_reason: str | None = None
+
+
+_FINAL_FACTS = msgspec.msgpack.Decoder(FinalFacts | None)
+
+
+def final_facts(final: msgspec.Raw) -> FinalFacts | None:
+    """How an engine's final record (its bytes) ended, None for nil; raises msgspec's errors for unreadable bytes."""
+    return _FINAL_FACTS.decode(final)
 
 
 def without_record(out: RequestDelta) -> RequestDelta:
