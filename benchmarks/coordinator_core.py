@@ -97,11 +97,13 @@ class Replay:
                         record = dict(msgspec.msgpack.decode(message.body.request), generated_tokens=[7],
                                       generated_text=" 7",
                                       status="COMPLETED", finish_reason="length", finish_time=time.time())
-                        outputs.append({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",
-                                        "finished": True, "request": record})
+                        outputs.append(({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",
+                                         "finished": True}, record))
                 for i in range(0, len(outputs), self.step_outputs):
+                    part = outputs[i:i + self.step_outputs]
                     self.coordinator(engine, encode(Header.ENGINE_STEP, {
-                        "engine_id": self.engine_ids[engine], "outputs": outputs[i:i + self.step_outputs]}))
+                        "engine_id": self.engine_ids[engine], "outputs": [delta for delta, _ in part],
+                        "records": {delta["request_id"]: record for delta, record in part}}))
             acks = [m.body.client_request_id for m in self.received(CLIENT) if m.header is Header.RESULT]
             finished += len(acks)
             pending = self.submits(len(acks), acks)

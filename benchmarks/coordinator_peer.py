@@ -199,7 +199,7 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
                     sock.send(encode(Header.HEARTBEAT, {"engine_id": ids[sock], "progress": progress}))
         for sock, _ in poller.poll(200):
             progress += 1
-            outputs = []
+            outputs, records = [], {}
             while True:
                 try:
                     message = decode(sock.recv(zmq.NOBLOCK), FROM_COORDINATOR)
@@ -214,9 +214,10 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
                         record.update(generated_tokens=[7], generated_text=" 7", status="COMPLETED",
                                       finish_reason="length", first_token_time=time.time(), finish_time=time.time())
                         outputs.append({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",
-                                        "finished": True, "request": record})
+                                        "finished": True})
+                        records[record["request_id"]] = record
             if outputs:
-                sock.send(encode(Header.ENGINE_STEP, {"engine_id": ids[sock], "outputs": outputs}))
+                sock.send(encode(Header.ENGINE_STEP, {"engine_id": ids[sock], "outputs": outputs, "records": records}))
 
 
 async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:

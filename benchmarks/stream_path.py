@@ -52,7 +52,7 @@ from megatron_serve.model.tiny import BOS, CHAT_TEMPLATE, CORPUS, EOS, train_tok
 from megatron_serve.server import create_app
 from megatron_serve.server.connections import ServerProtocol
 from megatron_serve.tokenizer import Tokenizer
-from megatron_serve.wire.deltas import RequestDeltaOut, StepTokensOut
+from megatron_serve.wire.deltas import RequestDelta, StepTokensOut
 from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, encode, encode_batch
 from megatron_serve.wire.request import EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
@@ -358,7 +358,7 @@ class Bench:
         raw = self._delta_bytes.get(token)
         if raw is None:
 
-            raw = self._delta_bytes[token] = msgspec.Raw(msgspec.msgpack.encode(RequestDeltaOut(
+            raw = self._delta_bytes[token] = msgspec.Raw(msgspec.msgpack.encode(RequestDelta(
                 request_id=_ENGINE_REQUEST_ID, new_tokens=[token], finished=False, epochs=_EPOCHS)))
         return raw
 

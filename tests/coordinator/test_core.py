@@ -22,9 +22,9 @@ def submit(h: CoreHarness, crid: str, tokens: int = 3, stream: bool = False, pro
 
 def step(h: CoreHarness, identity: bytes, engine_id: str, request_id: str, tokens: list[int], finished: bool = False,
          record: dict | None = None) -> None:
-    out = RequestDelta(request_id=request_id, new_tokens=tokens, finished=finished,
-                     request=msgspec.Raw(msgspec.msgpack.encode(record)) if record is not None else msgspec.UNSET)
-    h.send(identity, Header.ENGINE_STEP, EngineStep(engine_id=engine_id,
+    out = RequestDelta(request_id=request_id, new_tokens=tokens, finished=finished)
+    records = {} if record is None else {request_id: msgspec.Raw(msgspec.msgpack.encode(record))}
+    h.send(identity, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, records=records,
                                                     outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
 
 

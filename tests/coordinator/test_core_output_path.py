@@ -21,8 +21,10 @@ from .test_core import C, E1, submit
 SLIM = {"request_id": "c1/r", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}
 
 
-def send_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta) -> None:
-    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, outputs=[
+def send_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta, record: dict | None = None) -> None:
+    """An engine's step of ``outputs``; ``record``: the final record of the finished one, beside the deltas."""
+    records = {} if record is None else {"c1/r": msgspec.Raw(msgspec.msgpack.encode(record))}
+    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, records=records, outputs=[
         msgspec.Raw(msgspec.msgpack.encode(out)) for out in outputs]))
 
 
@@ -39,7 +41,7 @@ def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_the
     send_step(h, e1, delta([5], new_log_probs=[-0.5], top_ids=[[5, 9]], top_log_probs=[[-0.5, -1.5]],
                            epochs=[[0], [0]], cached_tokens=0))
     send_step(h, e1, delta([6], epochs=[[0], [0]]))
-    send_step(h, e1, delta([7], finished=True, request=msgspec.Raw(msgspec.msgpack.encode(SLIM))))
+    send_step(h, e1, delta([7], finished=True), record=SLIM)
     sent = h.take(C)
     assert [type(b).__name__ for b in sent] == ["ClientDelta", "ClientDelta", "ClientDelta", "Result"]
     first = sent[0]
@@ -95,7 +97,7 @@ def test_a_final_step_without_tokens_still_brings_the_prompt_scores():
     submit(h, "r")
     h.take(E1, Header.ENGINE_SUBMIT)
     scores = PromptScores(log_probs=[-1.0, -2.0])
-    send_step(h, e1, delta([], finished=True, prompt_scores=scores, request=msgspec.Raw(msgspec.msgpack.encode(SLIM))))
+    send_step(h, e1, delta([], finished=True, prompt_scores=scores), record=SLIM)
     tokens, result = h.take(C)
     assert tokens.new_tokens == [] and tokens.prompt_scores == scores and result.client_request_id == "r"
 

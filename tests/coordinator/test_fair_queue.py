@@ -49,21 +49,23 @@ class FakeEngine:
     def step(self) -> list[str]:
         """One step; returns the requests that made a token."""
         self.queue += [body.request for body in self.h.take(self.identity, Header.ENGINE_SUBMIT)]
-        outputs, ran = [], []
+        outputs, records, ran = [], {}, []
         for request in list(self.queue[: self.capacity]):
             rid = request["request_id"]
             done = self.generated.get(rid, 0) + 1
             self.generated[rid] = done
             finished = done >= request["sampling_params"]["num_tokens_to_generate"]
-            record = {"request_id": rid, "status": "COMPLETED", "finish_reason": "length"} if finished else None
-            outputs.append(msgspec.Raw(msgspec.msgpack.encode(RequestDelta(
-                request_id=rid, new_tokens=[7], finished=finished,
-                request=msgspec.Raw(msgspec.msgpack.encode(record)) if record else msgspec.UNSET))))
+            outputs.append(msgspec.Raw(msgspec.msgpack.encode(RequestDelta(request_id=rid, new_tokens=[7],
+                                                                           finished=finished))))
+            if finished:
+                records[rid] = msgspec.Raw(msgspec.msgpack.encode({"request_id": rid, "status": "COMPLETED",
+                                                                   "finish_reason": "length"}))
             ran.append(rid)
             if finished:
                 self.queue.remove(request)
         if outputs:
-            self.h.send(self.identity, Header.ENGINE_STEP, EngineStep(engine_id=self.engine_id, outputs=outputs))
+            self.h.send(self.identity, Header.ENGINE_STEP, EngineStep(engine_id=self.engine_id, outputs=outputs,
+                                                                              records=records))
         return ran
 
 

@@ -27,14 +27,18 @@ SLIM = {"prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "len
 
 
 def out(request_id: str, tokens: list[int], finished: bool = False, **fields) -> RequestDelta:
-    if finished:
-        fields["request"] = msgspec.Raw(msgspec.msgpack.encode({"request_id": request_id, **SLIM}))
     return RequestDelta(request_id=request_id, new_tokens=tokens, finished=finished, **fields)
 
 
+def step_body(engine_id: str, *outputs: RequestDelta) -> EngineStep:
+    """An engine's step of ``outputs``, each finished one's record (SLIM) beside the deltas."""
+    return EngineStep(engine_id=engine_id, outputs=[msgspec.Raw(msgspec.msgpack.encode(o)) for o in outputs],
+                      records={o.request_id: msgspec.Raw(msgspec.msgpack.encode({"request_id": o.request_id, **SLIM}))
+                               for o in outputs if o.finished})
+
+
 def engine_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta) -> None:
-    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, outputs=[
-        msgspec.Raw(msgspec.msgpack.encode(o)) for o in outputs]))
+    h.send(E1, Header.ENGINE_STEP, step_body(engine_id, *outputs))
 
 
 def streamed(crid: str, have: list[int] | None = None) -> Submit:
@@ -87,16 +91,14 @@ def test_a_request_that_finishes_in_the_step_gets_its_last_tokens_in_the_step_be
     h.take(E1)
     engine_step(h, e1, out("c1/a", [5]), out("c1/b", [6]))
     received(h, C)
-    frames = [effect.frame for effect in h.core.on_message(E1, Message(Header.ENGINE_STEP, EngineStep(
-        engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(o)) for o in (out("c1/a", [7], finished=True),
-                                                                                out("c1/b", [8]))])), h.now)
-              if isinstance(effect, Send) and effect.identity == C]
+    frames = [effect.frame for effect in h.core.on_message(E1, Message(Header.ENGINE_STEP, step_body(
+        e1, out("c1/a", [7], finished=True), out("c1/b", [8]))), h.now) if isinstance(effect, Send) and effect.identity == C]
     got = [msgspec.msgpack.decode(frame) for frame in frames]
     assert [header for header, _ in got] == [Header.STEP_TOKENS, Header.RESULT]
     step = got[0][1]
     assert step["client_request_ids"] == ["a", "b"] and [d["new_tokens"] for d in step["deltas"]] == [[7], [8]]
-    assert "request" not in step["deltas"][0]  # the finished one's record goes in its RESULT alone
-    assert step["deltas"][1]["request_id"] == "c1/b"  # the unfinished one's bytes are the engine's
+    # both deltas are the engine's bytes; the finished one's record goes in its RESULT alone
+    assert [d["request_id"] for d in step["deltas"]] == ["c1/a", "c1/b"] and "request" not in step["deltas"][0]
     assert got[1][1]["client_request_id"] == "a"
 
 

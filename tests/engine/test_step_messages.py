@@ -1,4 +1,5 @@
-"""An engine step's deltas go in ENGINE_STEP messages that fit the frame, however many prompt scores they carry.
+"""An engine step's deltas go in ENGINE_STEP messages that fit the frame, however many prompt scores they carry, each
+finished request's final record beside its delta in the same message.
 
 A request's prompt scores all go with its first token: before, several requests with long scored prompts that
 finished their prefill in one step made one message over the 16 MiB frame, which the engine's link then did not
@@ -7,21 +8,24 @@ send at all (every delta of the step lost, its requests left to the stall timeou
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from megatron_serve.engine.output import STEP_MESSAGE_SCORES, step_messages
-from megatron_serve.wire.messages import TO_COORDINATOR, EngineStepOut, PromptScores, RequestDeltaOut
+from megatron_serve.engine.output import STEP_MESSAGE_SCORES, step_bodies, step_messages
+from megatron_serve.engine.steps import StepOutput
+from megatron_serve.wire.request import FinalRecord, RequestStatus
+from megatron_serve.wire.messages import TO_COORDINATOR, EngineStepOut, PromptScores, RequestDelta
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode
 
 
-def scored(request_id: str, positions: int, k: int = 20) -> RequestDeltaOut:
+def scored(request_id: str, positions: int, k: int = 20) -> RequestDelta:
     scores = PromptScores(log_probs=[-1.25] * positions, top_ids=[list(range(1000, 1000 + k))] * positions,
                           top_log_probs=[[-2.5 - j / 7 for j in range(k)]] * positions)
-    return RequestDeltaOut(request_id=request_id, new_tokens=[7], finished=False, prompt_scores=scores)
+    return RequestDelta(request_id=request_id, new_tokens=[7], finished=False, prompt_scores=scores)
 
 
 def test_a_step_of_long_scored_prompts_is_cut_into_messages_that_fit_the_frame():
-    deltas = [scored(f"r{i}", 30_000) for i in range(4)] + [RequestDeltaOut(request_id="plain", new_tokens=[3],
+    deltas = [scored(f"r{i}", 30_000) for i in range(4)] + [RequestDelta(request_id="plain", new_tokens=[3],
                                                                            finished=False)]
     with pytest.raises(ProtocolError, match="exceeds"):  # the control: the step as one message
         encode(Header.ENGINE_STEP, EngineStepOut(engine_id="e", outputs=deltas))
@@ -34,8 +38,25 @@ def test_a_step_of_long_scored_prompts_is_cut_into_messages_that_fit_the_frame()
 
 
 def test_a_step_without_prompt_scores_is_one_message_and_a_lone_large_delta_is_not_split():
-    plain = [RequestDeltaOut(request_id=f"r{i}", new_tokens=[i], finished=False) for i in range(64)]
+    plain = [RequestDelta(request_id=f"r{i}", new_tokens=[i], finished=False) for i in range(64)]
     assert step_messages(plain) == [plain]
     large = scored("big", STEP_MESSAGE_SCORES)  # past the limit alone: a message of its own
     assert step_messages([large, plain[0]]) == [[large], [plain[0]]]
     assert step_messages([plain[0], large]) == [[plain[0]], [large]]
+
+
+def test_a_finished_request_s_record_travels_beside_its_delta_in_its_message():
+    """The coordinator forwards a delta's bytes to the client and a record's in RESULT: the record is never inside the
+    delta, and it goes in the message that holds its delta."""
+    scores = scored("x", 30_000).prompt_scores
+    outputs = [StepOutput(f"r{i}", [7], [], i % 2 == 1, cached_tokens=0, prompt_scores=scores,
+                          final=FinalRecord(request_id=f"r{i}", status=RequestStatus.COMPLETED) if i % 2 else None)
+               for i in range(4)]
+    bodies = step_bodies("e", outputs)
+    assert len(bodies) > 1 and [d.request_id for b in bodies for d in b.outputs] == ["r0", "r1", "r2", "r3"]
+    for body in bodies:
+        wire = decode(encode(Header.ENGINE_STEP, body), TO_COORDINATOR).body
+        finished = [d["request_id"] for d in map(msgspec.msgpack.decode, wire.outputs) if d["finished"]]
+        assert all("request" not in msgspec.msgpack.decode(raw) for raw in wire.outputs)
+        assert {rid: msgspec.msgpack.decode(raw)["request_id"] for rid, raw in wire.records.items()} == {
+            rid: rid for rid in finished}

@@ -232,8 +232,8 @@ async def test_an_insider_cannot_take_over_another_peers_identity(stack):
         refusal = impostor.recv(30_000)
         assert refusal.header is Header.ERROR and refusal.body.code == "group_in_use"
         impostor.send(Header.ENGINE_STEP, {"engine_id": engine_id, "outputs": [{
-            "request_id": "victim/mine", "new_tokens": [1], "finished": True,
-            "request": {"status": "COMPLETED", "generated_tokens": [1], "generated_text": "forged"}}]})
+            "request_id": "victim/mine", "new_tokens": [1], "finished": True}], "records": {
+            "victim/mine": {"status": "COMPLETED", "generated_tokens": [1], "generated_text": "forged"}}})
         await control.unpause(timeout=60)
         result = await asyncio.wait_for(waiting, 120)
         assert result.generated_tokens == stack.baseline.tokens[0] and result.generated_text != "forged"

@@ -31,8 +31,9 @@ from ..model.llama import LlamaForCausalLM
 from ..wire.lifecycle import FleetState, Verb
 from ..wire.verb_calls import verb_call
 from ..engine.output import step_delta
+from ..engine.steps import StepOutput
 from ..wire.connection import ControlError
-from ..wire.deltas import RequestDeltaOut
+from ..wire.deltas import RequestDelta
 from ..wire.placement import Placement, PlacementError
 from ..wire.protocol import ErrorCode
 from .output_processor import OutputCollector
@@ -40,7 +41,7 @@ from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
 from ..multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
-from ..wire.request import DynamicInferenceRequest, EngineRequest, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
 from ..wire.submission import WireImage
 from ..wire.sampling_params import SamplingParams
 from .streams import Sink, iterate_stream
@@ -48,6 +49,16 @@ from ..tokenizer import Tokenizer
 from ..weights.sources import TensorSource, WeightSource
 
 logger = logging.getLogger("megatron_serve.async_llm")
+
+#: What the engine thread tells a request's loop besides its deltas: a failure, its prompt's token ids, or its final
+#: record (None: it finished without one).
+_Told = BaseException | list[int] | FinalRecord | None
+
+
+def _posts(out: StepOutput) -> list[tuple[str, RequestDelta | _Told]]:
+    """What one step output tells its request's loop: its delta, then (finished) its final record."""
+    delta = step_delta(out)
+    return [(out.request_id, delta), (out.request_id, out.final)] if out.finished else [(out.request_id, delta)]
 
 
 def build_engine(model: str | Path | LlamaForCausalLM, inference_config: InferenceConfig | None,
@@ -180,28 +191,29 @@ class EngineThread:
 
     # -- the callers' loops
 
-    def _deliver(self, items: list[RequestDeltaOut | tuple[str, BaseException | list[int]]]) -> None:
-        """Outputs for requests of this loop, in order (on the loop): deltas, failures, the token ids of
-        a prompt made here (a text's, images' placeholders expanded: the finished request's ``prompt_tokens``)."""
+    def _deliver(self, items: list[RequestDelta | tuple[str, _Told]]) -> None:
+        """Outputs for requests of this loop, in order (on the loop): deltas, and each request's final record,
+        failure, or the token ids of a prompt made here (a text's, images' placeholders expanded: the finished
+        request's ``prompt_tokens``)."""
         for item in items:
             if isinstance(item, tuple):
                 request_id, value = item
-                pending = self._pending.get(request_id)
-                if pending is None:
-                    continue
                 if isinstance(value, list):
-                    pending.collector.prompt_tokens = value
-                else:
-                    self.failed += 1
-                    self._pending.fail(request_id, value)
+                    pending = self._pending.get(request_id)
+                    if pending is not None:
+                        pending.collector.prompt_tokens = value
+                elif isinstance(value, BaseException):
+                    if request_id in self._pending:
+                        self.failed += 1
+                        self._pending.fail(request_id, value)
+                else:  # its final record (after its last delta): nothing is pending if a stop string ended it
+                    self._count(self._pending.on_final(request_id, value))
                 continue
             stopped = self._pending.on_delta(item.request_id, item)
             if stopped is not None:
                 self.completed += 1
                 if not item.finished:
                     self.abort(item.request_id)
-            elif item.finished:
-                self._count(self._pending.on_final(item.request_id, item.request))
 
     def _count(self, request: DynamicInferenceRequest | None) -> None:
         if request is None:
@@ -215,19 +227,18 @@ class EngineThread:
 
     # -- the engine thread
 
-    def _post(self, outputs: list[tuple[str, RequestDeltaOut | BaseException | list[int]]]) -> None:
-        """Send each output to its request's loop: one call per loop (requests that finish leave the map)."""
+    def _post(self, outputs: list[tuple[str, RequestDelta | _Told]]) -> None:
+        """Send each output to its request's loop: one call per loop (a request leaves the map with its final record
+        or its failure)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for request_id, output in outputs:
             loop = self._loops.get(request_id)
             if loop is None:
                 continue
-            if isinstance(output, RequestDeltaOut):
-                if output.finished:
-                    del self._loops[request_id]
+            if isinstance(output, RequestDelta):
                 by_loop.setdefault(loop, []).append(output)
                 continue
-            if isinstance(output, BaseException):
+            if not isinstance(output, list):
                 del self._loops[request_id]
             by_loop.setdefault(loop, []).append((request_id, output))
         for loop, items in by_loop.items():
@@ -270,7 +281,7 @@ class EngineThread:
                 continue
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
             if outputs:
-                self._post([(out.request_id, step_delta(out)) for out in outputs])
+                self._post([post for out in outputs for post in _posts(out)])
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "call":
@@ -287,8 +298,7 @@ class EngineThread:
         if command[0] == "abort":
             record = self.engine.abort_request(command[1])
             if record is not None:
-                self._post([(command[1], RequestDeltaOut(request_id=command[1], new_tokens=[], finished=True,
-                                                        request=record))])
+                self._post([(command[1], record)])
             return
         told: list[tuple[str, BaseException | list[int]]] = []
         for request_id, prompt, params, loop in command[1]:

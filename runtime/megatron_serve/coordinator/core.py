@@ -44,7 +44,7 @@ from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
-from .requests import Phase, RequestRecord, RequestTable, final_facts, without_record
+from .requests import Phase, RequestRecord, RequestTable, final_facts
 from .step_tokens import StepShares, catch_up
 from .verbs import VerbRunner
 
@@ -427,7 +427,7 @@ class CoordinatorCore:
             return
         records, engine_id, decode = self.requests.records, engine.engine_id, _STEP_OUTPUT.decode
         steps = StepShares()  # what each client gets of this step, one message
-        finished: list[tuple[RequestRecord, RequestDelta, bool]] = []
+        finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]] = []
         for raw in body.outputs:
             try:
                 out = decode(raw)
@@ -440,53 +440,49 @@ class CoordinatorCore:
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, raw, steps)
-            handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out)
+            final = body.records.get(out.request_id) if out.finished else None
+            handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out, final)
             if out.finished:
-                finished.append((record, out, handed_on))
+                finished.append((record, final, handed_on))
         self._out += steps.sends()
-        for record, out, handed_on in finished:  # their RESULTs after their last tokens
+        for record, final, handed_on in finished:  # their RESULTs after their last tokens
             engine.assigned.discard(record.request_id)
             engine.completed += 1
             if not handed_on:  # a prefill engine's finish hands the request on to a decode engine
-                self._finish_from_engine(engine, record, out)
+                self._finish_from_engine(engine, record, final)
 
     def _mirror(self, record: RequestRecord, out: RequestDelta, raw: msgspec.Raw, steps: StepShares) -> None:
         """Keep the step's share (a request that moves continues from its tokens) and file it for the client's
-        ``STEP_TOKENS``, which makes the text (for every request: stop strings are its job): an unfinished
-        request's delta as the engine encoded it, a finished one's without its record (that goes in ``RESULT``)."""
+        ``STEP_TOKENS``, which makes the text (for every request: stop strings are its job): the delta as the engine
+        encoded it (a finished request's record came apart from it, for ``RESULT``)."""
         record.keep(out)
         client = self.clients.get(record.client_id)
-        if client is None or client.identity is None:
-            return
-        if out.finished:
-            raw = msgspec.Raw(_ENCODE.encode(without_record(out)))
-        steps.add(client.identity, client.batches, record.client_request_id, raw)
+        if client is not None and client.identity is not None:
+            steps.add(client.identity, client.batches, record.client_request_id, raw)
 
-    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
-        """Finish with the engine's record, forwarded as its bytes when it is complete (the client
-        parses it, once). Only a record without a final status is parsed here, and mended."""
-        if out.request is msgspec.UNSET:
-            self.finish_here(record, "COMPLETED", "length", "finished without a record")
-            return
+    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, final: msgspec.Raw | None) -> None:
+        """Finish with the engine's record ``final``, forwarded as its bytes when it is complete (the client
+        parses it, once): only its status and reason are read here. A record without a final status is parsed
+        here, and mended."""
         try:
-            facts = final_facts(out.request)  # None when the engine sent nil
+            facts = None if final is None else final_facts(final)  # None when the engine sent nil
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
             facts = None
-        if facts is None:  # no record (or an unreadable one): the coordinator's mirror is the result
+        if facts is None or final is None:  # no record (or an unreadable one): the coordinator's mirror is the result
             self.finish_here(record, "COMPLETED", "length", "finished without a record")
             return
         if facts.status in _FINISHED:
-            self.requests.finish(record, bytes(out.request), facts.status, facts.finish_reason)
+            self.requests.finish(record, bytes(final), facts.status, facts.finish_reason)
             self.deliver(record)
             return
         try:
-            final = _FINAL_RECORD.decode(out.request)
+            whole = _FINAL_RECORD.decode(final)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
             self.finish_here(record, "COMPLETED", "length", "finished without a readable record")
             return
-        self._finish(record, msgspec.structs.replace(final, status=RequestStatus.COMPLETED))
+        self._finish(record, msgspec.structs.replace(whole, status=RequestStatus.COMPLETED))
 
     def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
         engine.last_heartbeat = time.time()

@@ -109,9 +109,10 @@ class Handoffs:
         self.blocks.setdefault(blocks.request_id, []).append(blocks)
 
     def on_output(self, core: "CoordinatorCore", engine: "EngineRecord", record: RequestRecord,
-                  out: RequestDelta) -> bool:
-        """An engine's output for a request it runs (mirrored already); True when it ends the request's prefill
-        and the request was queued for its decode engine (the caller does not finish it)."""
+                  out: RequestDelta, final: msgspec.Raw | None) -> bool:
+        """An engine's output for a request it runs (mirrored already; ``final``: a finished one's record, as the
+        engine sent it); True when it ends the request's prefill and the request was queued for its decode engine
+        (the caller does not finish it)."""
         rid = record.request_id
         if self.prefilling.get(rid) != engine.engine_id:
             if rid in self.blocks:
@@ -121,7 +122,7 @@ class Handoffs:
             return False
         del self.prefilling[rid]
         try:
-            facts = final_facts(out.request) if out.request is not msgspec.UNSET else None
+            facts = None if final is None else final_facts(final)
         except (msgspec.ValidationError, msgspec.DecodeError):
             facts = None
         if facts is None or facts.status != "COMPLETED" or facts.finish_reason != "length" or record.exhausted():

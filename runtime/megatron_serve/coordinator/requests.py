@@ -151,11 +151,6 @@ def final_facts(final: msgspec.Raw) -> FinalFacts | None:
     return _FINAL_FACTS.decode(final)
 
 
-def without_record(out: RequestDelta) -> RequestDelta:
-    """A finished request's delta without its final record (that goes in ``RESULT``); every other field as it came."""
-    return msgspec.structs.replace(out, request=msgspec.UNSET)
-
-
 class RequestTable:
     """Requests by key, the dispatch queue (arrival order; moved requests go first) and the counters."""
 

@@ -3,16 +3,20 @@
 The step thread builds one struct per request here and nothing else: no text, no stop strings
 (:mod:`megatron_serve.client.output_processor` makes those where the tokens are read), and the final
 record leaves out what the deltas already carried. The engine process sends a step's structs as
-one message (``ENGINE_STEP``), or several when prompt scores make it large (:func:`step_messages`);
-the in-process client hands the same structs to its event loop.
+one message (``ENGINE_STEP``), or several when prompt scores make it large (:func:`step_bodies`), with the
+final records of the requests that finished beside the deltas, never inside them: the coordinator forwards
+both as these bytes (a delta to the client's ``STEP_TOKENS``, a record in ``RESULT``). The in-process client
+hands the same structs to its event loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
-from ..wire.deltas import PromptScores, RequestDeltaOut, RoutingRows
+from ..wire.deltas import EngineStepOut, PromptScores, RequestDelta, RoutingRows
+from ..wire.request import FinalRecord
 
 if TYPE_CHECKING:
     from .steps import StepOutput
@@ -26,19 +30,19 @@ if TYPE_CHECKING:
 STEP_MESSAGE_SCORES = 1 << 18
 
 
-def _scores(delta: RequestDeltaOut) -> int:
+def _scores(delta: RequestDelta) -> int:
     scores = delta.prompt_scores
     if scores is None:
         return 0
     return len(scores.log_probs) + sum(map(len, scores.top_ids or ()))
 
 
-def step_messages(deltas: list[RequestDeltaOut], limit: int = STEP_MESSAGE_SCORES) -> list[list[RequestDeltaOut]]:
+def step_messages(deltas: list[RequestDelta], limit: int = STEP_MESSAGE_SCORES) -> list[list[RequestDelta]]:
     """A step's deltas as the ``ENGINE_STEP`` messages that carry them, in order: one, unless prompt scores pass
     ``limit`` entries, then cut before the delta that would pass it."""
     if all(delta.prompt_scores is None for delta in deltas):
         return [deltas]
-    messages: list[list[RequestDeltaOut]] = [[]]
+    messages: list[list[RequestDelta]] = [[]]
     held = 0
     for delta in deltas:
         weight = _scores(delta)
@@ -50,10 +54,10 @@ def step_messages(deltas: list[RequestDeltaOut], limit: int = STEP_MESSAGE_SCORE
     return messages
 
 
-def step_delta(out: "StepOutput") -> RequestDeltaOut:
+def step_delta(out: "StepOutput") -> RequestDelta:
     """One request's share of a step as it travels: the output's own fields (nothing the engine changes later)."""
     tokens = out.new_tokens
-    delta = RequestDeltaOut(request_id=out.request_id, new_tokens=tokens, finished=out.finished)
+    delta = RequestDelta(request_id=out.request_id, new_tokens=tokens, finished=out.finished)
     if out.new_log_probs:
         delta.new_log_probs = out.new_log_probs
     if out.top_ids:
@@ -70,6 +74,20 @@ def step_delta(out: "StepOutput") -> RequestDeltaOut:
         delta.prompt_scores = out.prompt_scores
     if out.stop_token:
         delta.stop_token = True
-    if out.final is not None:
-        delta.request = out.final
     return delta
+
+
+def step_bodies(engine_id: str, outputs: Sequence["StepOutput"]) -> list[EngineStepOut]:
+    """A step's ``ENGINE_STEP`` bodies (:func:`step_messages`): each request's delta, and the final records of those
+    that finished in the body of their delta."""
+    finals = {out.request_id: out.final for out in outputs if out.finished}
+    return [EngineStepOut(engine_id=engine_id, outputs=deltas,
+                          records={d.request_id: finals[d.request_id] for d in deltas if d.finished})
+            for deltas in step_messages([step_delta(out) for out in outputs])]
+
+
+def ended_body(engine_id: str, records: list[FinalRecord]) -> EngineStepOut:
+    """The ``ENGINE_STEP`` of requests that end without a step's tokens (a failed step, an unreadable request): each
+    an empty finished delta beside its record."""
+    return EngineStepOut(engine_id=engine_id, records={r.request_id: r for r in records},
+                         outputs=[RequestDelta(request_id=r.request_id, new_tokens=[], finished=True) for r in records])

@@ -54,35 +54,31 @@ class TokenDelta(Body):
 
 
 class RequestDelta(TokenDelta, kw_only=True):
-    """One request's share of an engine step; the final one carries the record's remaining fields.
+    """One request's share of an engine step (a finished one's final record travels beside it: :class:`EngineStep`).
 
     (Not the engine's ``megatron_serve.engine.StepOutput``, the in-process result this is built from.)"""
 
     request_id: str
     finished: bool
-    # When finished: the record without what already travelled in deltas (the receivers accumulate them;
-    # ``wire.request.FinalRecord``). Maybe nil.
-    request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
-
-
-class RequestDeltaOut(RequestDelta, kw_only=True):
-    """:class:`RequestDelta` as an engine writes it (its final record, a ``wire.request.FinalRecord``, encoded
-    with the step; typed ``Any`` here because that module builds on this one)."""
-
-    request: Any = msgspec.UNSET
 
 
 class EngineStep(Body):
     engine_id: str
     # Each item decoded on its own, so that one unreadable output does not lose the others.
     outputs: list[msgspec.Raw]
+    # The final records (``wire.request.FinalRecord``, without what travelled in deltas; maybe nil) of the requests
+    # whose delta here is finished, by request id: apart from the deltas, so that the coordinator forwards both as
+    # the engine's bytes (each delta in ``STEP_TOKENS``, each record in ``RESULT``) and reads only a record's status.
+    records: dict[str, msgspec.Raw] = {}
 
 
 class EngineStepOut(Body):
-    """:class:`EngineStep` as an engine writes it: every request's delta of one step, one message."""
+    """:class:`EngineStep` as an engine writes it: every request's delta of one step and the final records of those
+    that finished, one message (``records`` typed ``Any`` here because ``wire.request`` builds on this module)."""
 
     engine_id: str
-    outputs: list[RequestDeltaOut]
+    outputs: list[RequestDelta]
+    records: dict[str, Any] = {}
 
 
 class StepTokens(Body):

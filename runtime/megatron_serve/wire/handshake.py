@@ -16,6 +16,10 @@ a message per request) is retired, and a reconnected client's catch-ups travel a
 catch-ups' ``starts`` and read them as new tokens, and a coordinator below 6 would send ``TOKENS`` this
 client no longer reads; each refuses the other with a message naming both versions. Version 7 adds ``SUBMIT``'s
 ``placement``: a session and a data-parallel rank (:mod:`.placement` says what an older coordinator gets).
+Version 8 moves a finished request's final record out of its ``ENGINE_STEP`` delta into the step's ``records``
+(:class:`~megatron_serve.wire.deltas.EngineStep`), so that the coordinator forwards both as the engine's bytes; an
+engine and its coordinator come from one release (an older engine's records go unread: its requests end as the
+coordinator's mirror has them).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import msgspec
 from .body import Body, ClientId
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: The lowest version whose peers may submit to each other: from 6 on every token travels in ``STEP_TOKENS``
 #: (and from 4 on the client makes the text).
 SUBMIT_PROTOCOL = 6

@@ -24,7 +24,7 @@ from __future__ import annotations
 from .body import Body, ClientId, TokenId
 from .controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, ScaleEp, Stop, Suspend,
                        UnloadLora)
-from .deltas import (EngineStep, EngineStepOut, PromptScores, RequestDelta, RequestDeltaOut, RoutingRows, StepTokens,
+from .deltas import (EngineStep, EngineStepOut, PromptScores, RequestDelta, RoutingRows, StepTokens,
                      StepTokensOut, TokenDelta, delta_past)
 from .handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Batch, Error, Hello, HelloAck
 from .kv_blocks import KVBlocks
@@ -40,7 +40,7 @@ __all__ = [
     "TO_COORDINATOR", "TRANSFER_BACKENDS", "TRANSFER_DTYPES", "Batch", "Body", "ClientAbort", "ClientId", "Control",
     "ControlAck", "Draining", "EngineAbort", "EngineStep", "EngineStepOut", "EngineSubmit", "EngineSubmitOut",
     "Error", "Handback", "Heartbeat", "Hello", "HelloAck", "KVBlocks", "KVEvents", "LoadLora", "LoraPush", "Pause",
-    "PeerShare", "PieceSpec", "PromptScores", "Refit", "Rendezvous", "RequestDelta", "RequestDeltaOut",
+    "PeerShare", "PieceSpec", "PromptScores", "Refit", "Rendezvous", "RequestDelta",
     "ResetPrefixCache", "Result", "ResultAck", "ResultOut", "RoutingRows", "ScaleEp", "Status", "StatusReply",
     "StepTokens", "StepTokensOut", "Stop", "Submit", "Suspend", "TensorSpec", "TokenDelta", "TokenId", "UnloadLora",
     "WireImage", "delta_past",

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ...wire.deltas import EngineStepOut, RequestDeltaOut
 from ...wire.submission import EngineSubmit
 from ...wire.protocol import HEADER_VERBS, Header
 from ...wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 from ..group.turns import held
+from ..output import ended_body
 from .registration import on_registered
 from .verb import on_verb
 
@@ -86,7 +86,6 @@ def _add(shell: Shell, submit: EngineSubmit) -> None:
             return  # nothing names it: the coordinator's stall check ends it
         failed = FinalRecord(request_id=request_id, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR,
                              error=f"engine could not read the request: {exc}", finish_time=time.time())
-        shell.send(Header.ENGINE_STEP, EngineStepOut(engine_id=shell.engine_id, outputs=[
-            RequestDeltaOut(request_id=request_id, new_tokens=[], finished=True, request=failed)]))
+        shell.send(Header.ENGINE_STEP, ended_body(shell.engine_id, [failed]))
         return
     shell.engine.add_request(request, submit.kv_transfer_params)

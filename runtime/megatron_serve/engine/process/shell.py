@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import msgspec
 
 from ...errors import EngineGroupLost
-from ...wire.deltas import EngineStepOut, RequestDeltaOut
 from ...wire.lifecycle import FleetState
 from ...wire.protocol import Header
 from ...wire.status import KVEvents
-from ..output import step_delta, step_messages
+from ..output import ended_body, step_bodies
 from .stats import heartbeat
 
 if TYPE_CHECKING:
@@ -89,9 +88,8 @@ class Shell:
         except Exception as exc:  # an engine bug or device failure: fail what ran, keep serving
             logger.exception("engine step failed")
             why = f"engine step failed: {type(exc).__name__}: {exc}"
-            payload = [RequestDeltaOut(request_id=r.request_id, new_tokens=[], finished=True, request=r.failed(why))
-                       for r in self.engine.take_unfinished_requests()]
-            self.send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=payload))
+            failed = [r.failed(why) for r in self.engine.take_unfinished_requests()]
+            self.send(Header.ENGINE_STEP, ended_body(self.engine_id, failed))
             return
         self.steps += 0 if settle else 1
         self._report(outputs)
@@ -103,5 +101,5 @@ class Shell:
         for blocks in self.engine.kv_out(self.engine_id or ""):
             self.send(Header.KV_BLOCKS, blocks)
         if outputs:
-            for deltas in step_messages([step_delta(out) for out in outputs]):
-                self.send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=deltas))
+            for body in step_bodies(self.engine_id, outputs):
+                self.send(Header.ENGINE_STEP, body)
