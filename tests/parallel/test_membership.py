@@ -11,7 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_serve.engine.group.membership import (CHECK_S, ChangeWatch, Membership, announce, ask_to_join,
-                                                    await_admission, plan_change, read_change, running, want_size)
+                                                    await_admission, meet, plan_change, read_change, running,
+                                                    want_size)
 from megatron_serve.errors import EngineGroupLost
 
 from ..helpers import free_port
@@ -71,3 +72,25 @@ def test_a_rank_still_a_member_is_refused_and_a_missing_answer_ends_the_wait(sto
         await_admission(joiner, ask_to_join(joiner, 2), 0.2)
     with pytest.raises(EngineGroupLost, match="wrote no plan for generation 9"):
         read_change(joiner, 9, 0.2)
+
+
+def test_an_ask_made_while_the_group_regrouped_reaches_the_next_leaders_watch(stores):
+    host, joiner = stores
+    watch = ChangeWatch(host)
+    ask_to_join(joiner, 1)
+    watch.taken()
+    plan_change(host, Membership(0, [0, 2], 3))
+    token = ask_to_join(joiner, 3)  # meanwhile a rank was lost: the survivors regroup and watch anew
+    assert seen(ChangeWatch(host))
+    assert plan_change(host, Membership(2, [0, 1, 2], 4)).members == [0, 1, 2, 3]
+    assert await_admission(joiner, token, 1).generation == 3
+
+
+def test_the_members_meet_before_forming_a_group_and_a_missing_one_is_named(stores):
+    host, joiner = stores
+    plan = Membership(3, [0, 2, 3], 4)
+    host.set("regroup/3/ready/0", "1")  # the others said they are there: the last one finds them all at once
+    host.set("regroup/3/ready/3", "1")
+    meet(joiner, plan, 2, 1)
+    with pytest.raises(EngineGroupLost, match=r"data-parallel rank\(s\) \[1\] did not come to form generation 4"):
+        meet(host, Membership(4, [0, 1], 4), 0, 0.2)

@@ -11,7 +11,7 @@ meet the others at the start (:func:`running`). Whoever asks for a change (a joi
 member calls the change at the same turn. The leader then decides the next membership (:func:`plan_change`: the
 joiners in, the highest ranks out down to a wanted size) and writes it under the next generation, with each
 admitted joiner's answer; every member reads it (:func:`read_change`), and the members and the joiners form the
-next generation's group. Every wait is bounded; what does not come in time is an
+next generation's group once each said it is there (:func:`meet`). Every wait is bounded; what does not come in time is an
 :class:`~megatron_serve.errors.EngineGroupLost` that names it.
 """
 
@@ -31,6 +31,9 @@ from ...errors import EngineGroupLost
 MEMBERS = "ep/members"
 #: Bumped by every ask for a change: the one key the leader reads per turn.
 CHANGES = "ep/changes"
+#: The count of :data:`CHANGES` the last plan took in (a leader's watch starts from it, so that an ask made while
+#: the group regrouped after a loss is not lost).
+TAKEN = "ep/taken"
 #: The size the ``scale-ep`` verb asked for, until the leader applied it.
 WANTED = "ep/wanted"
 #: The longest between two reads of :data:`CHANGES` by the leader: a change waits at most this long to be seen.
@@ -78,13 +81,8 @@ def want_size(store: dist.Store, size: int) -> None:
 def await_admission(store: dist.Store, token: str, wait_s: float) -> Membership:
     """The membership a joiner's ask (``token``) was taken into; :class:`EngineGroupLost` when it was refused or no
     answer came within ``wait_s``."""
-    key = f"ep/answer/{token}"
-    try:
-        store.wait([key], datetime.timedelta(seconds=wait_s))
-    except Exception as exc:  # noqa: BLE001 - the store's timeout
-        raise EngineGroupLost(f"asked to join the expert-parallel group ({token}); its leader did not take this rank "
-                              f"in within {wait_s:.0f} s: {exc}") from exc
-    answer = json.loads(store.get(key))
+    answer = _awaited(store, f"ep/answer/{token}", wait_s, f"asked to join the expert-parallel group ({token}); its "
+                      "leader did not take this rank in")
     if "refused" in answer:
         raise EngineGroupLost(f"the expert-parallel group refused this rank's join: {answer['refused']}")
     return Membership(**answer)
@@ -96,7 +94,7 @@ class ChangeWatch:
 
     def __init__(self, store: dist.Store):
         self.store = store
-        self.seen = int(store.add(CHANGES, 0))
+        self.seen = int(store.get(TAKEN)) if store.check([TAKEN]) else 0
         self.next_look = 0.0
 
     def pending(self) -> bool:
@@ -109,6 +107,7 @@ class ChangeWatch:
     def taken(self) -> None:
         """The changes asked for so far are in the plan being made."""
         self.seen = int(self.store.add(CHANGES, 0))
+        self.store.set(TAKEN, str(self.seen))
 
 
 def plan_change(store: dist.Store, current: Membership) -> Membership:
@@ -142,12 +141,29 @@ def plan_change(store: dist.Store, current: Membership) -> Membership:
     return plan
 
 
+def meet(store: dist.Store, plan: Membership, rank: int, wait_s: float) -> None:
+    """Data-parallel rank ``rank`` is about to form ``plan``'s group: once every member said so (at most ``wait_s``),
+    so that no member waits out the group's rendezvous timeout for a joiner that died after its answer."""
+    prefix = f"regroup/{plan.generation}/ready/"
+    store.set(f"{prefix}{rank}", "1")
+    try:
+        store.wait([f"{prefix}{member}" for member in plan.members], datetime.timedelta(seconds=wait_s))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout
+        missing = [m for m in plan.members if not store.check([f"{prefix}{m}"])]
+        raise EngineGroupLost(f"data-parallel rank(s) {missing} did not come to form generation {plan.generation} "
+                              f"within {wait_s:.0f} s: {exc}") from exc
+
+
 def read_change(store: dist.Store, generation: int, wait_s: float) -> Membership:
     """Generation ``generation``'s membership as the leader planned it (every member reads it at the agreed turn)."""
-    key = f"regroup/{generation}/change"
+    return Membership(**_awaited(store, f"regroup/{generation}/change", wait_s, f"the expert-parallel leader agreed a "
+                                 f"change but wrote no plan for generation {generation}"))
+
+
+def _awaited(store: dist.Store, key: str, wait_s: float, missing: str) -> dict:
+    """The json record at ``key`` once it is there; :class:`EngineGroupLost` saying ``missing`` past ``wait_s``."""
     try:
         store.wait([key], datetime.timedelta(seconds=wait_s))
     except Exception as exc:  # noqa: BLE001 - the store's timeout
-        raise EngineGroupLost(f"the expert-parallel leader agreed a change but wrote no plan for generation "
-                              f"{generation} within {wait_s:.0f} s: {exc}") from exc
-    return Membership(**json.loads(store.get(key)))
+        raise EngineGroupLost(f"{missing} within {wait_s:.0f} s: {exc}") from exc
+    return json.loads(store.get(key))

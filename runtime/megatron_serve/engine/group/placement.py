@@ -20,7 +20,6 @@ import torch.distributed as dist
 from ...config import InferenceConfig
 from ...model.parallel import DataParallel, PipelineStage, TensorParallel
 from .channel import PlanChannel
-from .membership import Membership
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
 
@@ -157,14 +156,13 @@ def client_store(placement: Placement, master: bool = False) -> dist.TCPStore:
                          wait_for_workers=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
 
 
-def joiner_groups(config: InferenceConfig, running: Membership, store: dist.Store
-                  ) -> tuple[TensorParallel, PlanChannel]:
-    """A data-parallel rank that joins a ``running`` group, before it is taken in: its place in the membership it
-    will have (the members and itself), to load its experts by, and no process group yet (its engine's start runs
-    no collective; the groups come with the join)."""
-    members = sorted({*running.members, config.data_parallel_rank})
+def joiner_groups(config: InferenceConfig, store: dist.Store) -> tuple[TensorParallel, PlanChannel]:
+    """A data-parallel rank that joins a running group, before it is taken in: its place in the group as started, to
+    load its experts by (placement by index; the join places them over the membership it enters, which at full
+    size is the same), and no process group yet (its engine's start runs no collective; the groups come with the
+    join)."""
     tp = TensorParallel(expert_parallel=True, gathered_rows=config.gathers_rows,
-                        data_parallel=DataParallel(members.index(config.data_parallel_rank), len(members), None))
+                        data_parallel=DataParallel(config.data_parallel_rank, config.data_parallel_size, None))
     channel = PlanChannel(None)
     channel.rendezvous = store
     return tp, channel

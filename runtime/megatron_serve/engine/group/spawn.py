@@ -204,9 +204,8 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
         store = host_store(listener, placement) if listener is not None else None
         if store is None and dp and config.elastic_expert_group and not placement.hosts_rank_zero:
             store = client_store(placement)
-            joined = running(store)
-            if joined is not None:  # started for a group that formed without it: it joins at its first turn
-                tp, channel = joiner_groups(config, joined, store)
+            if running(store) is not None:  # started for a group that formed without it: it joins at its first turn
+                tp, channel = joiner_groups(config, store)
                 return tp, channel, device, workers
         tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
     except BaseException:

@@ -35,7 +35,7 @@ from ...errors import EngineGroupLost
 from ...model.experts.moe import SparseMoeBlock
 from ..expert_recovery import place_for_members, recover_experts
 from .channel import PlanChannel
-from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_admission, plan_change,
+from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_admission, meet, plan_change,
                          read_change, want_size)
 from .placement import RENDEZVOUS_TIMEOUT_S, join_data_parallel, release_groups
 from .regroup import Progress, Resume, regroup
@@ -151,6 +151,7 @@ class GroupSurvival:
     def _enter(self, plan: Membership, ordered: bool) -> None:
         """Form ``plan``'s group (this rank is a member) and place the experts over it."""
         self.generation, self.members = plan.generation, plan.members
+        meet(self.store, plan, self.dp_rank, REGROUP_WAIT_S)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"regroup/{plan.generation}/group/", self.store),
                                 rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
