@@ -447,10 +447,9 @@ class InferenceConfig:
     def gathers_rows(self) -> bool:
         """Whether the row-parallel layers gather their input (``model.layers.GatheredRowLinear``): under
         ``batch_invariant`` with expert parallelism at TP > 1, so that attention and dense layers compute one rank's
-        bits as the MoE layers do, and the log probs are one rank's. Not with LoRA adapters: their row-parallel
-        deltas join the layers' partial sums (``model.lora_shards``), which these layers do not have."""
-        return (self.batch_invariant and self.enable_expert_parallel and self.tensor_parallel_size > 1
-                and not self.enable_lora)
+        bits as the MoE layers do, and the log probs are one rank's. With LoRA adapters too: each rank keeps such a
+        layer's adapter whole and adds its delta as one rank does (``model.lora.shards``)."""
+        return self.batch_invariant and self.enable_expert_parallel and self.tensor_parallel_size > 1
 
     def trainer_seam_warning(self) -> str | None:
         """What an engine logs at start when its log probs cannot equal the declared trainer's: in the

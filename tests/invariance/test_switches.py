@@ -93,7 +93,7 @@ def test_expert_parallelism_over_tensor_parallel_ranks_computes_as_one_rank_for_
         2, enable_expert_parallel=True)
     assert "size 2, but the trainer runs at 1" in warning(1)  # the control: TP alone adds partial sums
     assert InferenceConfig(device="cpu", batch_invariant=True, tensor_parallel_size=2, enable_expert_parallel=True,
-                           enable_lora=True).gathers_rows is False  # adapters' row deltas join partial sums
+                           enable_lora=True).gathers_rows  # adapters' deltas too (tests/parallel/test_lora_eplb.py)
 
 
 def test_a_bad_trainer_tensor_parallel_size_is_refused_by_name():

@@ -124,13 +124,24 @@ class GatheredRowLinear(ColumnParallelLinear):
     single GEMM does; here every output element is one GEMM over the whole input, so the layer's bits are one rank's
     wherever a GEMM's columns do not depend on the columns beside it (as the column-parallel layers already need).
     Two all-gathers replace the all-reduce: about the same bytes. A rank holds ``out / tp`` rows of the whole
-    weight instead of ``in / tp`` columns of every row."""
+    weight instead of ``in / tp`` columns of every row.
+
+    The input is gathered by a forward pre-hook, so that :meth:`forward` and the forward hooks after it (a LoRA
+    adapter's, :func:`.lora.shards.lora_shard`) see the whole input beside the whole output, as on one rank: an
+    adapter's delta is then one rank's too."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, weight_dtype: torch.dtype | None = None):
         super().__init__(in_features, {"out": (out_features, 1)}, tp=tp, weight_dtype=weight_dtype)
+        self.register_forward_pre_hook(_gather_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last_dim(super().forward(self.tp.all_gather_last_dim(x)))
+        """The whole output from the whole input ``x`` (gathered by the pre-hook)."""
+        return self.tp.all_gather_last_dim(super().forward(x))
+
+
+def _gather_input(module: GatheredRowLinear, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A :class:`GatheredRowLinear`'s input, the ranks' slices gathered whole."""
+    return (module.tp.all_gather_last_dim(args[0]), *args[1:])
 
 
 class ReplicatedLinear(nn.Module):

@@ -67,7 +67,7 @@ class _SlotWeights:
         shard = lora_shard(module, parts, shapes)
         self.parts = parts
         self.rank = rank
-        self.out_rows, self.in_columns, self.tp = shard.out_rows, shard.in_columns, shard.tp
+        self.out_rows, self.in_columns, self.tp, self.whole = shard.out_rows, shard.in_columns, shard.tp, shard.whole
         self.a = slot_table(slots, len(parts) * rank, self.in_columns[1], device, dtype)
         # B is block-diagonal over the parts: each part keeps its own block, so an expand reads no zero block and
         # each slot's block is one contiguous stretch of memory
@@ -75,8 +75,9 @@ class _SlotWeights:
         for index, part in enumerate(parts):
             offset, _, length = self.out_rows[part]
             if length:
+                height = shapes[index][0] if self.whole else length
                 self.blocks[part] = (slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
-                                     slot_table(slots, length, rank, device, dtype))
+                                     slot_table(slots, height, rank, device, dtype))
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
@@ -96,7 +97,7 @@ class _SlotWeights:
             self.a[slot, ranks].copy_(a[:, in_start : in_start + in_length])
             if part in self.blocks:
                 _, start, length = self.out_rows[part]
-                self.blocks[part][2][slot, :, : a.shape[0]].copy_(b[start : start + length])
+                self.blocks[part][2][slot, :, : a.shape[0]].copy_(b if self.whole else b[start : start + length])
 
     def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         batch = self.rows.batch
@@ -106,12 +107,23 @@ class _SlotWeights:
         if batch is not None:
             y = output.view(-1, output.shape[-1])
             h = self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch)
-            for columns, ranks, b in self.blocks.values():  # part by part: B's zero blocks cost nothing
-                self.expand(y[:, columns], h[:, ranks], b, batch)
+            for part, (columns, ranks, b) in self.blocks.items():  # part by part: B's zero blocks cost nothing
+                if self.whole:
+                    self._add_cut(y[:, columns], h[:, ranks], b, batch, self.out_rows[part][1])
+                else:
+                    self.expand(y[:, columns], h[:, ranks], b, batch)
         if self.tp is None:
             return output
         # a row-parallel projection under TP: its partial sums (delta included) reduced as the base layer does
         return self.tp.ordered_sum(output) if module.batch_invariant else self.tp.all_reduce(output)
+
+    def _add_cut(self, y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBatch, start: int) -> None:
+        """``y +=`` its columns (from ``start``) of a part's whole delta, computed as one rank computes it
+        (:attr:`.shards.LoraShard.whole`). The delta is expanded into ``-0.0``, IEEE's additive identity
+        (``-0.0 + 0.0`` is ``0.0``), so it holds the bits one rank adds, signed zeros included."""
+        delta = torch.full((y.shape[0], b.shape[1]), -0.0, dtype=y.dtype, device=y.device)
+        self.expand(delta, h, b, batch)
+        y += delta[:, start : start + y.shape[1]]
 
 
 class _ExpertSlotWeights:

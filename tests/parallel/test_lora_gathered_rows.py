@@ -1,0 +1,52 @@
+"""LoRA adapters under ``--batch-invariant`` with expert parallelism over 2 tensor-parallel ranks (real processes over
+gloo) give one rank's bits: the row-parallel layers gather their input with adapters too, and every adapter's delta is
+computed whole as one rank computes it (``InferenceConfig.gathers_rows``, ``model.lora.shards``). A mixed batch of
+expert, dense, attention and base rows (Qwen2-MoE: a sparse layer between two dense ones, a shared expert): tokens
+and log probs ``==`` one rank's. The control runs the same group with the row-parallel layers adding the ranks'
+partial sums, the adapters' row-parallel deltas joining them (``data_parallel_engine.py``'s ``PARTIAL_SUMS``, which
+each rank's process installs): its log probs differ from one rank's."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve import SamplingParams
+from megatron_serve.wire.request import DynamicInferenceRequest
+
+from ..prompts import PROMPTS
+from .data_parallel_runs import Case, Request, serve_cases
+from .test_lora_tensor_parallel import MOE_JOBS, moe_adapters, moe_base  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: ``MOE_JOBS`` (expert, dense, attention+expert and base rows), and the base on the two prompts it has no base row of
+JOBS = MOE_JOBS + [(PROMPTS[2], None), (PROMPTS[3], None)]
+
+
+def _case(name: str, model_dir: str, adapters: dict[str, str], partial_sums: bool = False) -> Case:
+    """``JOBS`` in one batch, greedy, in float32 ``--batch-invariant`` with every adapter loaded."""
+    requests = [Request(f"r{i}", prompt, SamplingParams(temperature=0.0, num_tokens_to_generate=10, ignore_eos=True,
+                                                        return_log_probs=True, lora_name=adapter))
+                for i, (prompt, adapter) in enumerate(JOBS)]
+    config = dict(dtype="float32", batch_invariant=True, enable_lora=True, max_loras=3, max_lora_rank=8,
+                  lora_modules=adapters)
+    return Case(name, model_dir, [[requests]], config, partial_sums=partial_sums)
+
+
+def _rows(requests: list[DynamicInferenceRequest]) -> list[tuple[list[int], list[float]]]:
+    return [(r.generated_tokens, r.generated_log_probs) for r in requests]
+
+
+def test_adapters_under_expert_parallelism_over_tensor_parallel_ranks_are_one_rank_bitwise(
+        moe_base, moe_adapters, tmp_path):  # noqa: F811 - fixtures
+    one = _rows(serve_cases(tmp_path / "one", [_case("gathered", moe_base, moe_adapters)])["gathered"][0][0])
+    served = serve_cases(tmp_path / "ep", [_case("gathered", moe_base, moe_adapters),
+                                           _case("partial_sums", moe_base, moe_adapters, partial_sums=True)], tp=2)
+    assert _rows(served["gathered"][0][0]) == one
+    partial_sums = _rows(served["partial_sums"][0][0])
+    assert [tokens for tokens, _ in partial_sums] == [tokens for tokens, _ in one]
+    assert [log_probs for _, log_probs in partial_sums] != [log_probs for _, log_probs in one], \
+        "the control (partial sums in the row-parallel layers) gives one rank's log probs too: the equality proves nothing"
+    # control: each adapter changes its prompt's tokens (against the same prompt on the base), so the equality covers
+    # the expert, dense and attention deltas
+    assert all(one[adapted][0] != one[base][0] for adapted, base in ((0, 4), (5, 1), (2, 6), (3, 7)))
