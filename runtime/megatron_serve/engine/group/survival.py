@@ -85,6 +85,8 @@ class GroupSurvival:
         """SCALE_EP on this rank: below the group's size, the leader asks for the change (taken at a turn the
         members agree on), and this rank says whether it is among the highest ranks, which leave; above it, nothing
         here (the missing ranks' engines join when started). The acknowledgement's detail."""
+        if self.joining:
+            return {"error": f"scale-ep {size}: data-parallel rank {self.dp_rank} has not joined its group yet"}
         if not 1 <= size <= self.size:
             return {"error": f"scale-ep {size}: an expert-parallel group started with --data-parallel-size "
                              f"{self.size} has 1 to {self.size} ranks"}
