@@ -5,7 +5,8 @@ uninterrupted run):
 
 * one rank SIGKILLed mid-stream, the three others serve on (test_data_parallel_rank_survival), then the lost rank's
   restart joins the running group: the members take it in at a turn they agree on, the four form the next
-  generation's group, the experts go back to their placement by index, and each of the four serves;
+  generation's group, the experts go back to their placement by index, and each of the four serves; then another
+  rank SIGKILLed mid-stream, and the three left, the joiner among them, serve on;
 * ``scale_ep 3`` mid-stream: the highest rank hands its requests back and exits, the three others regroup without
   it and every stream completes; its restart then joins, and the four serve again."""
 
@@ -33,6 +34,8 @@ async def test_the_lost_rank_restarted_joins_the_running_group_and_serves(tmp_pa
         served = await group.served_by_each()
         assert len(served) == RANKS and all(served.values()), served  # the joiner among them
         assert all(engine.poll() is None for engine in survivors)
+        group.engines[KILLED] = joiner
+        await group.kill_mid_stream(1)  # a loss after the join: the three left, the joiner among them, serve on
 
 
 async def test_scale_ep_shrinks_the_group_mid_stream_and_its_restart_joins_again(tmp_path):

@@ -100,8 +100,8 @@ class GroupSurvival:
         process was the one lost, no rank left beside this one, a survivor that did not say where it stopped)."""
         self.generation += 1
         rank, ranks = self.rank, len(self.members)
-        logger.warning("expert-parallel rank %d of %d: a collective failed at %s (%s); regrouping with the ranks left",
-                       rank, ranks, progress, cause)
+        logger.warning("expert-parallel rank %d (rank %d of %d): a collective failed at %s (%s); regrouping with the "
+                       "ranks left", self.dp_rank, rank, ranks, progress, cause)
         ordered = self._release(cause)
         try:
             new = regroup(self.store, self.generation, rank, ranks, progress, REGROUP_WAIT_S,
@@ -112,9 +112,10 @@ class GroupSurvival:
         lost = sorted(set(range(ranks)) - set(new.members))
         self._join_groups(new.rank, len(new.members))
         recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank, dist.group.WORLD)
-        logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", rank,
-                       new.rank, len(new.members), lost, new.resume)
+        lost_ranks = [self.members[r] for r in lost]
         self.members = [self.members[r] for r in new.members]
+        logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", self.dp_rank,
+                       new.rank, len(new.members), lost_ranks, new.resume)
         self._formed()
         return new.resume
 
