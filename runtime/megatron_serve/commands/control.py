@@ -47,8 +47,20 @@ def _help(takers: list[tuple[VerbCall, Arg]]) -> str:
     return "; ".join(f"{', '.join(verbs)}: {text}" for text, verbs in texts.items())
 
 
+def _given(value: Any) -> bool:
+    """Whether an option was given: not absent (None) nor an unset flag (False); a 0 was given (``0 in (None,
+    False)`` holds, so ``--size 0`` and ``--epoch 0`` were taken for absent)."""
+    return value is not None and value is not False
+
+
+def _verb_name(given: str) -> str:
+    """A verb as the command line may spell it: ``scale-ep`` is ``scale_ep``, as in the issue's words."""
+    return given.replace("-", "_")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("verb", choices=VERBS, help="what to do: " + ", ".join(VERBS))
+    parser.add_argument("verb", choices=VERBS, type=_verb_name,
+                        help="what to do: " + ", ".join(VERBS) + " (a hyphen for an underscore too: scale-ep)")
     add_coordinator_option(parser, required=False)
     parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
     for name, takers in _options().items():
@@ -74,14 +86,14 @@ def verb_arguments(args: argparse.Namespace) -> dict[str, Any]:
     taken = {arg.name: arg for arg in call.on(CLI)} if call is not None else {}
     for name, takers in _options().items():
         value = getattr(args, name)
-        if name not in taken and value not in (None, False):
+        if name not in taken and _given(value):
             names = [taker.verb.value for taker, _ in takers]
             verbs = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
             raise ValueError(f"{takers[0][1].flag} applies to {verbs} only, not {args.verb}")
     for arg in taken.values():
         if arg.required and not getattr(args, arg.name):
             raise ValueError(f"{args.verb} needs {arg.flag} {arg.metavar} ({arg.help})")
-    given = {name: getattr(args, name) for name in taken if getattr(args, name) not in (None, False)}
+    given = {name: getattr(args, name) for name in taken if _given(getattr(args, name))}
     if call is not None:
         try:
             call.bind(given)
