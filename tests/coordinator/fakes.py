@@ -82,6 +82,10 @@ class _Memory:
     def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, object]:
         return self.fake.reset_prefix_cache(reset_running_requests)
 
+    def scale_expert_group(self, size: int) -> dict[str, object]:
+        """A fake is no rank of an expert-parallel group: SCALE_EP is refused, as a real engine's outside one."""
+        return {"error": f"scale-ep {size}: a fake engine is no rank of an expert-parallel group"}
+
     @property
     def peers(self) -> None:
         """A fake never reports a layout digest, so the coordinator never pairs it for a peer pull."""
