@@ -11,8 +11,9 @@ meet the others at the start (:func:`running`). Whoever asks for a change (a joi
 member calls the change at the same turn. The leader then decides the next membership (:func:`plan_change`: the
 joiners in, the highest ranks out down to a wanted size) and writes it under the next generation, with each
 admitted joiner's answer; every member reads it (:func:`read_change`), and the members and the joiners form the
-next generation's group once each said it is there (:func:`meet`). Every wait is bounded; what does not come in time is an
-:class:`~megatron_serve.errors.EngineGroupLost` that names it.
+next generation's group once each said it is there (:func:`meet`). Every wait is bounded; what does not come in time
+is an :class:`~megatron_serve.errors.EngineGroupLost` that names it. A rank lost during a planned change is one of
+those: the group ends, as on a loss before data-parallel ranks served on.
 """
 
 from __future__ import annotations

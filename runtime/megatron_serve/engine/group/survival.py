@@ -13,9 +13,9 @@ in a planned change (:mod:`.membership`): a rank that joins (:meth:`GroupSurviva
 (:meth:`GroupSurvival.change`, asked for by :meth:`GroupSurvival.scale`).
 
 Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has at least
-three ranks (two leave one alone) and EPLB is off (``InferenceConfig.elastic_expert_group``); elsewhere a loss still ends the group (worker ranks' groups and
-NCCL communicators are not rebuilt here; under EPLB a move in flight runs on a group of its own, at a step the
-agreement does not count).
+three ranks (two leave one alone) and EPLB is off (``InferenceConfig.elastic_expert_group``); elsewhere a loss still
+ends the group (worker ranks' groups and NCCL communicators are not rebuilt here; under EPLB a move in flight runs on
+a group of its own, at a step the agreement does not count).
 """
 
 from __future__ import annotations
