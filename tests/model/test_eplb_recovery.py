@@ -73,15 +73,16 @@ def test_refusals_name_the_ranks():
         recovery(list(range(8)), 2, {1}, 8, 1)
 
 
-@pytest.mark.parametrize("size, members, experts", [(4, [0, 1, 3], 8), (4, [0, 1, 2, 3], 8), (4, [0, 3], 8),
-                                                    (3, [0, 2], 6), (8, [1, 2, 5, 6, 7], 16)])
+@pytest.mark.parametrize("size, members, experts, physical", [
+    (4, [0, 1, 3], 8, 8), (4, [0, 1, 2, 3], 8, 8), (4, [0, 3], 8, 8), (3, [0, 2], 6, 6), (8, [1, 2, 5, 6, 7], 16, 16),
+    (4, [0, 1, 3], 16, 20), (4, [0, 1, 2, 3], 16, 20)])  # EPLB's redundant copies: 4 more
 def test_a_planned_change_places_every_expert_over_the_members_from_what_each_holds_and_the_checkpoint(
-        size, members, experts):
-    placement = members_plan(size, members, experts)
+        size, members, experts, physical):
+    placement = members_plan(size, members, experts, physical)
     assert set(placement) == set(range(experts))
     per_rank = len(placement) // len(members)
     if len(members) == size:
-        assert placement == list(range(experts))  # back to placement by index at full size
+        assert placement == identity_plan(experts, physical, size)  # back to the first placement at full size
     for index in range(len(members)):
         held = list(range(index, index + 3))  # whatever a rank holds now
         part = relocation(held, placement, len(members), index)
@@ -96,4 +97,5 @@ def test_a_planned_change_places_every_expert_over_the_members_from_what_each_ho
 
 
 def test_a_joiner_computes_the_placement_the_members_use_from_the_membership_alone():
-    assert members_plan(4, [0, 1, 3], 8) == survivor_plan(list(range(8)), 4, [2], 8)
+    assert members_plan(4, [0, 1, 3], 8, 8) == survivor_plan(list(range(8)), 4, [2], 8)
+    assert members_plan(4, [0, 1, 3], 16, 20) == survivor_plan(identity_plan(16, 20, 4), 4, [2], 16)

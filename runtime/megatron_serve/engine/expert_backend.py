@@ -112,7 +112,9 @@ def install_balancer(blocks: list[SparseMoeBlock], config: InferenceConfig, grou
     name). Its transfers get a group of their own (created by every rank of the group together, here), so that a
     move's all-to-all runs beside a step's."""
     eplb = config.eplb_config
-    transfer_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(group))
+    transfer_group = None  # a rank that joins a running group has none yet: its join gives the balancer its groups
+    if torch.distributed.is_initialized():
+        transfer_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(group))
     place_experts(blocks, eplb.num_redundant_experts, transfer_group)
     balancer = ExpertBalancer(blocks, eplb, group, transfer_group, blocks[0].tp.data_parallel.size > 1, device,
                               layers)

@@ -82,17 +82,44 @@ class ExpertBalancer:
         tp = blocks[0].tp
         self.ranks, self.rank, self.tp_size = tp.expert_size, tp.expert_rank, tp.size
         self.group, self.transfer_group, self.data_parallel = group, transfer_group, data_parallel
-        self.num_physical = blocks[0].experts.num_physical
-        self.load = torch.zeros((len(blocks), self.num_physical), dtype=torch.int64, device=device)
-        self.rotation = torch.zeros((), dtype=torch.int64, device=device)
-        for index, block in enumerate(blocks):  # every layer counts into one tensor, turns one rotation: a step's
-            block.placement.load = self.load[index]  # bookkeeping is three device operations
-            block.placement.rotation = self.rotation
-        self.window = torch.zeros((config.window_size, *self.load.shape), dtype=torch.int64, device=device)
-        self.steps = 0
+        self.device = device
         self._plans: dict[int, list[int]] = {}
         self._move: _Move | None = None
+        self._count()
         self.stats = BalancerStats(list(layers), [1.0] * len(blocks), [1.0] * len(blocks))
+
+    def _count(self) -> None:
+        """Count from zero over the blocks' placements as they are (at start, and over a new group)."""
+        self.num_physical = self.blocks[0].experts.num_physical
+        self.load = torch.zeros((len(self.blocks), self.num_physical), dtype=torch.int64, device=self.device)
+        self.rotation = torch.zeros((), dtype=torch.int64, device=self.device)
+        for index, block in enumerate(self.blocks):  # every layer counts into one tensor, turns one rotation: a
+            block.placement.load = self.load[index]  # step's bookkeeping is three device operations
+            block.placement.rotation = self.rotation
+        self.window = torch.zeros((self.config.window_size, *self.load.shape), dtype=torch.int64, device=self.device)
+        self.steps = 0
+
+    def release(self) -> None:
+        """Forget the group, which broke or is being replaced (:mod:`.group.survival`), and any plan or move under way
+        on it: a move's transfer holds its group, and a group kept keeps its sockets open (a survivor blocked on this
+        rank would wait out the collective timeout). Each rank holds either placement of a move that some installed
+        before the loss and others not: the recovery reads what each holds."""
+        self._move = None
+        self._plans.clear()
+        self.group = self.transfer_group = None
+
+    def regroup(self, group: object) -> None:
+        """Balance over ``group`` (the ranks left after a loss, or a planned change's members), every member
+        together: a transfer group of its own over the same ranks, this rank's place in it, the blocks' placements as
+        the recovery left them (their physical expert count may have changed), and a window and a step count from
+        zero on every member alike, so that they plan and move at the same steps again."""
+        tp = self.blocks[0].tp
+        self.ranks, self.rank = tp.expert_size, tp.expert_rank
+        self.group = group
+        self.transfer_group = dist.new_group(dist.get_process_group_ranks(group))
+        self._plans.clear()
+        self._move = None
+        self._count()
 
     def reset(self) -> None:
         """Forget the load counted so far (warm-up and graph captures count tokens that served nobody)."""
@@ -186,12 +213,16 @@ class ExpertBalancer:
         block.placement.update(move.plan)
         self.window[:, move.layer].zero_()  # counted under the old map
         self.stats.layers_moved += 1
+        if self.rank == 0:
+            logger.info("EPLB at step %d: MoE layer %d moved over %d ranks", self.steps, move.layer, self.ranks)
 
 
 def place_experts(blocks: list[SparseMoeBlock], num_redundant: int, transfer_group: object) -> None:
     """The first placement, at start (before graphs are captured): each layer's ``E + num_redundant`` physical
     experts over the group (:func:`~megatron_serve.model.experts.eplb.identity_plan`: each rank its own experts, then copies
-    fetched from the others), its dispatcher over the physical experts, and its map."""
+    fetched from the others), its dispatcher over the physical experts, and its map. A rank that joins a running group
+(``transfer_group`` None: it has no group yet) keeps its experts by index under that map, which it never routes by:
+its join places it (:func:`~megatron_serve.engine.expert_recovery.place_for_members`)."""
     tp = blocks[0].tp
     ranks, rank = tp.expert_size, tp.expert_rank
     for block in blocks:
@@ -202,7 +233,7 @@ def place_experts(blocks: list[SparseMoeBlock], num_redundant: int, transfer_gro
                              f"experts do not split over {ranks} expert-parallel ranks")
         plan = identity_plan(logical, physical, ranks)
         per_rank = physical // ranks
-        if num_redundant:
+        if num_redundant and transfer_group is not None:  # None: a joiner, placed when the group takes it in
             old = list(range(logical))
             transfer = ExpertTransfer(experts, plan_moves(old, plan, ranks, rank), plan[rank * per_rank:
                                                                                    (rank + 1) * per_rank],

@@ -17,6 +17,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..model.experts.dispatch import install_dispatchers
 from ..model.experts.eplb import LayerPlacement
@@ -36,11 +37,8 @@ def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlo
     give them dispatchers over it (``ordered``: ``--batch-invariant``'s combine); ``model.tp`` already names the new
     group. Returns how many experts this rank read from the checkpoint."""
     index = [r for r in range(ranks) if r not in lost].index(rank)  # this survivor's rank in the new group
-    parts = []
-    for _, block in blocks:
-        experts = block.experts
-        old = block.placement.physical_to_logical if block.placement is not None else list(range(experts.num_experts))
-        parts.append(recovery(old, ranks, lost, experts.num_experts, rank))
+    parts = [recovery(old, ranks, lost, block.experts.num_experts, rank)
+             for old, (_, block) in zip(_held(blocks, ranks, lost, group), blocks)]
     read = _install(model, blocks, parts, index, ordered, model_dir, group)
     logger.warning("expert-parallel rank %d serves on without rank(s) %s: %d MoE layers placed over the %d ranks "
                    "left, %d experts read back from %s (weights a refit changed since the start are not there)",
@@ -48,15 +46,30 @@ def recover_experts(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlo
     return read
 
 
+def _held(blocks: list[tuple[str, SparseMoeBlock]], ranks: int, lost: Collection[int], group: object
+          ) -> list[list[int]]:
+    """Each block's physical-to-logical map over the old ``ranks`` as the survivors hold it, gathered over ``group``
+    (the lost ranks' slots are gone: -1). Not a survivor's own map: under EPLB a move may have been swapped in on
+    some survivors and not on others when the loss broke its last collective."""
+    mine = [list(block.experts.slots) for _, block in blocks]
+    everyone: list[list[list[int]] | None] = [None] * (ranks - len(lost))
+    dist.all_gather_object(everyone, mine, group=group)
+    survivors = iter(everyone)
+    held = [next(survivors) if r not in lost else [[-1] * len(slots) for slots in mine] for r in range(ranks)]
+    return [[expert for rank in held for expert in rank[layer]] for layer in range(len(blocks))]
+
+
 def place_for_members(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlock]], ordered: bool,
-                      model_dir: str | Path, size: int, members: list[int], rank: int, group: object) -> int:
+                      model_dir: str | Path, size: int, redundant: int, members: list[int], rank: int,
+                      group: object) -> int:
     """A planned change's placement (:func:`~megatron_serve.model.experts.eplb_recovery.members_plan` over
-    ``members``, data-parallel ranks of a group started with ``size``; this one: ``rank``): each rank keeps what it
-    holds of its new slots and reads the rest from the checkpoint; every member of ``group`` calls it together.
-    Returns how many experts this rank read."""
+    ``members``, data-parallel ranks of a group started with ``size`` and ``redundant`` EPLB copies; this one:
+    ``rank``): each rank keeps what it holds of its new slots and reads the rest from the checkpoint; every member of
+    ``group`` calls it together. Returns how many experts this rank read."""
     index = members.index(rank)
-    parts = [relocation(block.experts.slots, members_plan(size, members, block.experts.num_experts), len(members),
-                        index) for _, block in blocks]
+    parts = [relocation(block.experts.slots, members_plan(size, members, block.experts.num_experts,
+                                                          block.experts.num_experts + redundant), len(members), index)
+             for _, block in blocks]
     read = _install(model, blocks, parts, index, ordered, model_dir, group)
     logger.warning("expert-parallel rank %d: %d MoE layers placed over the %d ranks %s, %d experts read from %s",
                    rank, len(blocks), len(members), members, read, model_dir)

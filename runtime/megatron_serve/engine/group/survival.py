@@ -12,10 +12,15 @@ read back from the checkpoint). The runner then resumes as :class:`.regroup.Resu
 in a planned change (:mod:`.membership`): a rank that joins (:meth:`GroupSurvival.join`), ranks that leave
 (:meth:`GroupSurvival.change`, asked for by :meth:`GroupSurvival.scale`).
 
+Under EPLB (``--enable-eplb``) the balancer's move under way is dropped with the broken groups (its transfer runs on
+a group of its own), the placement over the ranks left starts from what each survivor holds (a move may have been
+swapped in on some before the loss), and the balancer starts again over the new group: its own transfer group, a
+window and a step count from zero on every member alike (:meth:`~megatron_serve.engine.expert_balancer.ExpertBalancer.
+regroup`).
+
 Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has at least
-three ranks (two leave one alone) and EPLB is off (``InferenceConfig.elastic_expert_group``); elsewhere a loss still
-ends the group (worker ranks' groups and NCCL communicators are not rebuilt here; under EPLB a move in flight runs on
-a group of its own, at a step the agreement does not count).
+three ranks (two leave one alone) (``InferenceConfig.elastic_expert_group``); elsewhere a loss still ends the group
+(worker ranks' groups and NCCL communicators are not rebuilt here).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class GroupSurvival:
     def __init__(self, model: torch.nn.Module, channel: PlanChannel, model_dir: str | Path, config: InferenceConfig):
         self.model, self.channel, self.model_dir = model, channel, model_dir
         self.dp_rank, self.size = config.data_parallel_rank, config.data_parallel_size
+        self.redundant = config.eplb_config.num_redundant_experts if config.enable_eplb else 0
         self.store = channel.rendezvous
         self.joining = not dist.is_initialized()  # started for a running group: it joins at its first turn
         self.generation, self.members = 0, list(range(self.size))
@@ -112,6 +118,7 @@ class GroupSurvival:
         lost = sorted(set(range(ranks)) - set(new.members))
         self._join_groups(new.rank, len(new.members))
         recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank, dist.group.WORLD)
+        self._rebalance()
         lost_ranks = [self.members[r] for r in lost]
         self.members = [self.members[r] for r in new.members]
         logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", self.dp_rank,
@@ -159,8 +166,9 @@ class GroupSurvival:
                                 rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         self._join_groups(self.rank, len(self.members))
-        place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size, self.members, self.dp_rank,
-                          dist.group.WORLD)
+        place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size, self.redundant, self.members,
+                          self.dp_rank, dist.group.WORLD)
+        self._rebalance()
         logger.warning("expert-parallel rank %d is rank %d of %d in generation %d (ranks %s)", self.dp_rank, self.rank,
                        len(self.members), self.generation, self.members)
         self._formed()
@@ -174,10 +182,16 @@ class GroupSurvival:
         self.channel.group, self.channel.leader = channel.group, channel.leader
         self.channel.device_group, self.channel.leaders = channel.device_group, channel.leaders
 
+    def _rebalance(self) -> None:
+        """EPLB (``--enable-eplb``) over the new group, from the placement just made: every member together."""
+        if self.model.expert_balancer is not None:
+            self.model.expert_balancer.regroup(self.model.tp.data_parallel.group)
+
     def _release(self, cause: BaseException | None) -> bool:
         """Drop every reference this process holds to the broken groups, so that leaving them closes their sockets
         (a group still referenced keeps them open, and a survivor blocked on this rank waits out the collective
-        timeout): the model's and the channel's groups, the dispatchers', the failed collective's frames. Returns
+        timeout): the model's and the channel's groups, the dispatchers', EPLB's (its move under way dropped), the
+        failed collective's frames. Returns
         whether the dispatchers combined in order (``--batch-invariant``), for their successors."""
         ordered = self.blocks[0][1].dispatcher.ordered
         seen: set[int] = set()
@@ -189,6 +203,8 @@ class GroupSurvival:
         for _, block in self.blocks:
             block.dispatcher = None
         self.model.expert_step = None
+        if self.model.expert_balancer is not None:
+            self.model.expert_balancer.release()
         release_groups(self.model.tp, self.channel)
         gc.collect()
         return ordered

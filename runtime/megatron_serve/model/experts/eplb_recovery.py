@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from .eplb import identity_plan
 from .moves import Moves, plan_moves
 
 
@@ -88,12 +89,14 @@ def recovery(old: Sequence[int], ranks: int, lost: Collection[int], num_experts:
     return Recovery(placement, per_rank, moves, [(slot, e) for slot, e in enumerate(mine) if e in missing])
 
 
-def members_plan(size: int, members: Collection[int], num_experts: int) -> list[int]:
-    """The physical-to-logical map of a group started with ``size`` ranks (experts by index) that now has
+def members_plan(size: int, members: Collection[int], num_experts: int, num_physical: int) -> list[int]:
+    """The physical-to-logical map of a group started with ``size`` ranks and ``num_physical`` physical experts (its
+    first placement, :func:`.eplb.identity_plan`: experts by index, then EPLB's redundant copies) that now has
     ``members``: :func:`survivor_plan` as if every other rank were lost, so that it depends on the membership alone
-    (a joiner computes it without the group's history, and a group back at full size is back at placement by
-    index)."""
-    return survivor_plan(list(range(num_experts)), size, [r for r in range(size) if r not in members], num_experts)
+    (a joiner computes it without the group's history, and a group back at full size is back at its first
+    placement)."""
+    return survivor_plan(identity_plan(num_experts, num_physical, size), size,
+                         [r for r in range(size) if r not in members], num_experts)
 
 
 def relocation(held: Sequence[int], placement: Sequence[int], ranks: int, index: int) -> Recovery:

@@ -1,0 +1,84 @@
+"""A rank's loss without a restart under EPLB (engine.group.survival with ``--enable-eplb``): a tiny Qwen3-MoE whose
+router favours two experts, over four engine processes over gloo (one data-parallel rank each), 4 redundant experts
+and a plan every 8 steps, so the experts have moved before the kill. One rank SIGKILLed mid-stream: the three others
+serve on in their own processes (the balancer's move under way dropped, the placement recovered over them from what
+each holds and the checkpoint, the balancer restarted over the new group), every stream ends with the tokens of the
+uninterrupted run, and the experts move again over the three, with the tokens still ``==``
+(``--batch-invariant``: a token's result depends neither on the rank count nor on which replica ran it). The lost
+rank's restart then joins (the membership's placement, EPLB's copies included), and the four serve and balance again,
+the tokens still ``==``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.run_stack import client_stream
+
+from ..helpers import Children, free_port
+from .expert_group_stack import PROMPTS, RANKS, ExpertGroup
+from .test_expert_parallel_eplb import skewed_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+KILLED = 2
+TOKENS = 48
+#: a plan every 8 steps from the last 8: the experts move during the uninterrupted run, and again over the three left
+EPLB = {"window_size": 8, "step_interval": 8, "num_redundant_experts": 4}
+
+
+class BalancedGroup(ExpertGroup):
+    """:class:`ExpertGroup` with EPLB on."""
+
+    def engine(self, rank: int) -> subprocess.Popen:
+        return self.children.engine(self.model_dir, self.port, "--dtype", "float32", "--batch-invariant",
+                                    "--data-parallel-size", str(RANKS), "--data-parallel-rank", str(rank),
+                                    "--enable-expert-parallel", "--enable-eplb", "--eplb-config", json.dumps(EPLB),
+                                    env=self.rendezvous)
+
+
+@contextlib.asynccontextmanager
+async def balanced_group(tmp_path: Path) -> AsyncIterator[BalancedGroup]:
+    """The stack over the skewed model, started, its uninterrupted streams taken; every process killed after."""
+    from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
+
+    group = BalancedGroup(Children(tmp_path), skewed_model(tmp_path / "m", "qwen3_moe"), free_port(), TOKENS,
+                          rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    try:
+        group.children.coordinator(group.model_dir, group.port)
+        group.engines = [group.engine(rank) for rank in range(RANKS)]
+        group.client = InferenceClient(f"tcp://127.0.0.1:{group.port}", token=group.children.secret)
+        await group.client.start(timeout=60)
+        await group.client.wait_for_engines(RANKS, timeout=300)
+        group.quiet = await asyncio.gather(*(client_stream(group.client, p, TOKENS) for p in PROMPTS))
+        assert all(q.completed for q in group.quiet), [q.error for q in group.quiet]
+        yield group
+    finally:
+        if group.client is not None:
+            group.client.close()
+        group.children.kill_all()
+
+
+async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
+    async with balanced_group(tmp_path) as group:
+        leader = group.engines[0]
+        assert f"moved over {RANKS} ranks" in group.children.log_of(leader), "no expert moved before the kill"
+        await group.kill_mid_stream(KILLED)
+        again = await asyncio.gather(*(client_stream(group.client, p, TOKENS) for p in PROMPTS))
+        assert [a.tokens for a in again] == [q.tokens for q in group.quiet], [a.error for a in again]
+        after = group.children.log_of(leader).split(f"is rank 0 of the {RANKS - 1} left", 1)
+        assert len(after) == 2 and f"moved over {RANKS - 1} ranks" in after[1], after[-1][-3000:]
+
+        joiner = group.engine(KILLED)  # the lost rank's restart joins: the membership's placement, EPLB over four
+        group.wait_for_log(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
+        await group.client.wait_for_engines(RANKS, timeout=60)
+        served = await group.served_by_each()
+        assert len(served) == RANKS and all(served.values()), served
+        after = group.children.log_of(leader).split(f"is rank 0 of {RANKS} in generation", 1)
+        assert len(after) == 2 and f"moved over {RANKS} ranks" in after[1], after[-1][-3000:]
