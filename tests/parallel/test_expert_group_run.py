@@ -2,21 +2,24 @@
 (``InferenceConfig.elastic_expert_group``). A rank's engine SIGKILLed with streams in flight: the other two serve
 on in their processes (no gang restart), ``run`` restarts the lost rank alone, it joins the running group, and every
 stream ends with the tokens of an uninterrupted run (``--batch-invariant``: a token's result depends neither on the
-rank count nor on where its experts run); ``control scale_ep --size 2`` then takes the highest rank out, which exits
-0 and is not restarted."""
+rank count nor on where its experts run); ``control scale-ep --size 2`` mid-stream then takes the highest rank out,
+which exits 0 and is not restarted, and ``control scale-ep --size 3`` brings it back: ``run`` reads the size wanted in
+the coordinator's STATUS, starts the rank again, it joins, ``control status`` says 3 of 3, and the three serve."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from megatron_serve.model.tiny import make_tiny_model
-from tests.run_stack import complete, start_run, stream
+from tests.run_stack import RunStack, complete, start_run, stream
 
 from .test_data_parallel_gang_run import data_parallel_rank
 
@@ -27,7 +30,20 @@ TOKENS = 32
 KILLED = 1
 
 
-async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out(tmp_path):
+async def until(holds: Callable[[], bool], stack: RunStack, timeout: float = 60) -> None:
+    """Poll ``holds`` until it does, failing with the run's output past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not holds():
+        assert time.monotonic() < deadline, stack.output()[-3000:]
+        await asyncio.sleep(0.1)
+
+
+def completed_by_engine(stack: RunStack) -> dict[str, int]:
+    """How many requests each engine completed, from ``control status --json``."""
+    return {engine["id"]: engine["completed"] for engine in json.loads(stack.control("status", "--json"))["engines"]}
+
+
+async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out_and_back(tmp_path):
     model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
                                 num_experts=6, num_experts_per_tok=2))  # experts over 3 ranks, then 2
     logs = tmp_path / "logs"
@@ -44,11 +60,8 @@ async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out(t
             os.kill(ranks[KILLED], signal.SIGKILL)
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
             assert [o.tokens for o in outcomes] == [q.tokens for q in quiet], [o.error for o in outcomes]
-            deadline = time.monotonic() + 120
-            while f"expert-parallel rank {KILLED} is rank {KILLED} of 3" not in stack.output() + "".join(
-                    log.read_text(errors="replace") for log in logs.glob("engine-*.log")):
-                assert time.monotonic() < deadline, stack.output()[-3000:]
-                await asyncio.sleep(0.1)
+            await until(lambda: f"expert-parallel rank {KILLED} is rank {KILLED} of 3" in stack.output() + "".join(
+                log.read_text(errors="replace") for log in logs.glob("engine-*.log")), stack, 120)
             await stack.wait_engines(3, timeout=120)
             again = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
             assert {r: again[r] for r in (0, 2)} == {r: ranks[r] for r in (0, 2)}  # they served on: no gang restart
@@ -56,14 +69,29 @@ async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out(t
             after = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
             assert [a.tokens for a in after] == [q.tokens for q in quiet]
 
-            assert "scale_ep" in stack.control("scale_ep", "--size", "2")
-            deadline = time.monotonic() + 60
-            while "rank 2) exited normally (exit code 0): it is not restarted" not in stack.output():
-                assert time.monotonic() < deadline, stack.output()[-3000:]
-                await asyncio.sleep(0.1)
+            streaming = asyncio.Event()
+            tasks = [asyncio.create_task(stream(http, stack.model, p, TOKENS, streaming)) for p in PROMPTS]
+            await asyncio.wait_for(streaming.wait(), 300)
+            assert "scale_ep" in await asyncio.to_thread(stack.control, "scale-ep", "--size", "2")
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            assert [o.tokens for o in outcomes] == [q.tokens for q in quiet], [o.error for o in outcomes]
+            await until(lambda: "rank 2) exited normally (exit code 0): it is not restarted" in stack.output(), stack)
             await stack.wait_engines(2, timeout=60)
             assert again[2] not in stack.children()["engine"]
+            assert "expert-parallel group 0: 2 of 2 wanted ranks connected (0, 1;" in stack.control("status")
             smaller = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
             assert [s.tokens for s in smaller] == [q.tokens for q in quiet]
+
+            assert "scale_ep" in stack.control("scale-ep", "--size", "3")  # run starts rank 2 again: it joins
+            await until(lambda: "rank 2): group 0 is wanted at 3 ranks: starting it again" in stack.output(), stack)
+            await stack.wait_engines(3, timeout=120)
+            assert {r: p for r, p in ((data_parallel_rank(p), p) for p in stack.children()["engine"]) if r < 2} == \
+                {r: again[r] for r in (0, 1)}  # the two served on
+            assert "expert-parallel group 0: 3 of 3 wanted ranks connected (0, 1, 2;" in stack.control("status")
+            before = completed_by_engine(stack)
+            larger = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
+            assert [x.tokens for x in larger] == [q.tokens for q in quiet]
+            served = {engine: done - before.get(engine, 0) for engine, done in completed_by_engine(stack).items()}
+            assert len(served) == 3 and all(served.values()), served  # the joiner among them
     finally:
         stack.kill()

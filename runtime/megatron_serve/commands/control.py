@@ -219,6 +219,10 @@ def format_status(status: dict[str, Any]) -> str:
         if status.get("incomplete_weights"):
             lines.append(f"engines holding incomplete weights (a refit failed midway; UNPAUSE refused until a "
                          f"refit completes): {', '.join(status['incomplete_weights'])}")
+    for group in status.get("expert_groups") or []:  # SCALE_EP's size beside the ranks there
+        ranks = group["ranks"]
+        lines.append(f"expert-parallel group {group['group']}: {len(ranks)} of {group['wanted']} wanted ranks "
+                     f"connected ({', '.join(map(str, ranks)) or 'none'}; --data-parallel-size {group['size']})")
     engines = status.get("engines") or []
     if not engines:
         lines.append("no engines connected")

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("megatron_serve.run")
 
 STAGES = 4
+# How often a run with elastic expert groups reads the sizes wanted of them in the coordinator's STATUS.
+SIZE_POLL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -237,6 +239,7 @@ class _Stack:
         self.endpoint = ""  # http://host:port/v1, once bound
         self.address = ""  # the coordinator's, once it listens
         self.siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
+        self.sizes: asyncio.Task | None = None  # elastic expert groups: follows their sizes wanted (_follow_sizes)
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -362,6 +365,24 @@ class _Stack:
         if status["state"] != "RUNNING":
             await self.client.unpause(timeout=30.0)  # e.g. a coordinator left STOPPED by an earlier run
         self.fleet.supervise()  # from now on a child that dies is started again
+        if self.fleet.elastic:
+            self.sizes = asyncio.ensure_future(self._follow_sizes())
+
+    async def _follow_sizes(self) -> None:
+        """Start the ranks an elastic expert group is wanted with again (``scale-ep`` above its size). Only the
+        coordinator sees that verb (a ``control`` process sends it), and it keeps the size wanted of each group in
+        its STATUS: this run reads it there every ``SIZE_POLL_S`` through the client it already holds, so no message
+        or connection is added for it; a rank starts again at most that long after the ask (then it joins)."""
+        while True:
+            read_at = time.monotonic()  # before the ask: the answer is at least this recent
+            try:
+                status = await self.client.status(timeout=10.0)
+            except TimeoutError:  # a coordinator restarting: its next answer counts
+                pass
+            else:
+                # on a thread: the supervisor's thread starts the ranks, and this loop serves HTTP meanwhile
+                await asyncio.to_thread(self.fleet.want_ranks, status.get("expert_groups") or [], read_at)
+            await asyncio.sleep(SIZE_POLL_S)
 
     async def _serve(self, facts: Any, tokenizer: Tokenizer, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
@@ -407,6 +428,8 @@ class _Stack:
             await asyncio.to_thread(self.siblings.stop, 0.0 if self.forced else self.args.drain_timeout + 15.0)
         if self.fleet is None:
             return
+        if self.sizes is not None:
+            self.sizes.cancel()
         self.fleet.supervise(False)  # what exits now is meant to
         if self.forced:
             self.fleet.kill()

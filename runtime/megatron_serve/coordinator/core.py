@@ -570,5 +570,5 @@ class CoordinatorCore:
             weights=self.weights_source, refits=self.refits,
             epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch),
             incomplete_weights=self.incomplete_weights(), stall_timeout=self.stall_timeout,
-            sessions=self.sessions.describe())
+            sessions=self.sessions.describe(), expert_groups=self.verbs.wanted_sizes.describe(engines))
 

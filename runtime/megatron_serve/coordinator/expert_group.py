@@ -1,7 +1,8 @@
 """SCALE_EP on the coordinator's side: which sizes an expert-parallel group of data-parallel attention ranks can be
 asked for (:func:`scale_problem`), and an engine that leaves its group (:func:`leave`). The engines do the change
 itself among them (``engine/group/membership.py``); the coordinator only stops routing to the ranks that leave and
-resubmits what they hand back, as it does for a drained engine's hand-back."""
+resubmits what they hand back, as it does for a drained engine's hand-back, and keeps the size each group is wanted at
+(:class:`WantedSizes`, in STATUS), which ``megatron-serve run`` reads to start the ranks a group lacks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,49 @@ if TYPE_CHECKING:
     from .core import CoordinatorCore
 
 logger = logging.getLogger("megatron_serve.coordinator")
+
+
+class WantedSizes:
+    """The size each expert-parallel group (engine group of data-parallel attention ranks) is wanted at: its
+    ``--data-parallel-size`` from its first rank seen, then the size the last SCALE_EP asked for. Kept here because
+    only the coordinator sees every SCALE_EP (a ``control`` process sends it); STATUS reports it beside the ranks
+    connected, and whoever starts the ranks (``run``'s supervisor) reads it there. It is set when the verb goes to
+    the engines, before any rank can leave (so a STATUS read after a rank left never shows the size before), and
+    put back when they refused it. A restarted coordinator starts over from the groups' ``--data-parallel-size``."""
+
+    def __init__(self) -> None:
+        self.wanted: dict[int, int] = {}  # engine group -> data-parallel ranks wanted
+        self.full: dict[int, int] = {}  # engine group -> its --data-parallel-size
+        self.before: dict[int, int] = {}  # the sizes before the SCALE_EP in flight (verbs run one at a time)
+
+    def _learn(self, engines: Iterable[EngineRecord]) -> None:
+        """Every group of data-parallel attention ranks among ``engines`` is wanted whole until a SCALE_EP says
+        otherwise."""
+        for engine in engines:
+            size = engine.info.get("data_parallel_size")
+            if isinstance(size, int) and size > 1 and engine.group not in self.full:
+                self.full[engine.group] = self.wanted[engine.group] = size
+
+    def asked(self, engines: Iterable[EngineRecord], size: int) -> None:
+        """SCALE_EP to ``size`` goes to every engine: every group is wanted at that size from now on."""
+        self._learn(engines)
+        self.before = dict(self.wanted)
+        for group, full in self.full.items():
+            self.wanted[group] = min(size, full)
+
+    def refused(self) -> None:
+        """The engines refused the SCALE_EP just asked: the sizes wanted before it stand."""
+        self.wanted.update(self.before)
+
+    def describe(self, engines: Iterable[EngineRecord]) -> list[dict[str, Any]]:
+        """STATUS's ``expert_groups``: per group, its ``wanted`` size, its full ``size`` and the data-parallel
+        ``ranks`` connected now (a rank that leaves is among them until it exits)."""
+        engines = list(engines)
+        self._learn(engines)
+        return [{"group": group, "wanted": self.wanted[group], "size": self.full[group],
+                 "ranks": sorted(e.info["data_parallel_rank"] for e in engines
+                                 if e.group == group and isinstance(e.info.get("data_parallel_rank"), int))}
+                for group in sorted(self.full)]
 
 
 def scale_problem(engines: Iterable[EngineRecord], size: int | None) -> str | None:

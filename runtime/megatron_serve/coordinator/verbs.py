@@ -62,7 +62,7 @@ from ..wire.controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetP
 from ..wire.handshake import Error
 from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
-from .expert_group import leave, scale_problem, scale_refused
+from .expert_group import WantedSizes, leave, scale_problem, scale_refused
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 
@@ -135,6 +135,7 @@ class VerbRunner:
         self.queue: collections.deque[ControlOp] = collections.deque()
         # control id -> (what it asked, the answer)
         self.completed: collections.OrderedDict[Any, tuple[RequestKey, Header, Any]] = collections.OrderedDict()
+        self.wanted_sizes = WantedSizes()  # SCALE_EP's sizes, per expert-parallel group (in STATUS)
 
     def request(self, client: ClientRecord, identity: bytes, verb: Verb, body: Control) -> None:
         core = self.core
@@ -333,6 +334,7 @@ class VerbRunner:
             body = ResetPrefixCache(control_id=control_id, reset_running_requests=op.reset_running or None)
         elif step is Step.SCALE_EP:
             body = ScaleEp(control_id=control_id, size=op.size)
+            self.wanted_sizes.asked(core.engines.values(), op.size)
         elif isinstance(op.lora, LoadLora):
             body = msgspec.structs.replace(op.lora, control_id=control_id, phase=spec.phase)
         elif op.lora is not None:
@@ -509,6 +511,7 @@ class VerbRunner:
             detail.update(noop=False, wanted=op.size, leaving=leaving)
             refused = scale_refused(op.engines)
             if refused is not None:
+                self.wanted_sizes.refused()
                 self._answer(op, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=refused,
                                                      control_id=op.control_id, detail=detail))
                 return

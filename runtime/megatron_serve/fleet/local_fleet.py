@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ..config import InferenceConfig
 from .argv import TOKEN_ENV, disaggregated_roles, inference_config_to_argv, kv_role_argv
@@ -219,6 +220,7 @@ class LocalFleet:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         self._coordinator: Child | None = None
         self._engines: list[Child] = []
+        self._gangs: dict[int, Gang] = {}  # engine group -> its gang (data_parallel_size > 1)
         self.address: str | None = None
         self._lifeline = Lifeline()
         self._supervisor = Supervisor(self._lifeline)
@@ -330,7 +332,23 @@ class LocalFleet:
                                  WORLD_SIZE=str(self.ranks_per_engine * size), NPROC_PER_NODE=str(self.ranks_per_engine))
 
         config = dataclasses.replace(self.inference_config or InferenceConfig(), data_parallel_size=size)
-        return self._supervisor.start_gang(Gang(f"group {group}", members, renew, config.elastic_expert_group))
+        self._gangs[group] = Gang(f"group {group}", members, renew, config.elastic_expert_group)
+        return self._supervisor.start_gang(self._gangs[group])
+
+    @property
+    def elastic(self) -> bool:
+        """Whether its groups are elastic expert groups, whose size the coordinator's STATUS says
+        (:meth:`want_ranks`)."""
+        return any(gang.elastic for gang in self._gangs.values())
+
+    def want_ranks(self, expert_groups: list[dict[str, Any]], read_at: float) -> None:
+        """The sizes wanted of the expert groups (STATUS's ``expert_groups``, asked for at ``read_at``, monotonic):
+        each elastic gang starts again the ranks below its size that ``scale-ep`` took out before then (they
+        join); the ranks above it stay out."""
+        for group in expert_groups:
+            gang = self._gangs.get(group["group"])
+            if gang is not None and gang.elastic and len(group["ranks"]) < group["wanted"]:
+                self._supervisor.want_ranks(gang, group["wanted"], read_at)
 
     def supervise(self, on: bool = True) -> None:
         """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause

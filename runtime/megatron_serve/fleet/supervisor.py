@@ -16,7 +16,9 @@ the loss, e.g. one stuck in a step, would not be restarted at all), while proces
 still hold that port. A gang of an elastic expert group (``InferenceConfig.elastic_expert_group``: its ranks serve
 on without a lost one, and a rank's restart joins them in place, ``engine/group/membership.py``) restarts only the
 member it lost, as a child of its own, unless that member is the first, whose process hosts the rendezvous store
-the others meet in: then the gang restarts as above.
+the others meet in: then the gang restarts as above. Such a member that exits 0 (``scale-ep`` took it out) stays
+out until the group is wanted at a size above its rank again (:meth:`Supervisor.want_ranks`, told by ``run``, which
+reads the size in the coordinator's STATUS): then it starts again and joins, as a lost rank's restart does.
 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
 (:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
@@ -55,7 +57,8 @@ class Child:
     started: float = 0.0
     delay: float = 0.0  # the back-off before its next restart
     restart_at: float | None = None  # when it is due to start again (it died)
-    retired: bool = False  # exited 0 (meant to: a drain, a STOP): never started again
+    retired: bool = False  # exited 0 (meant to: a drain, a STOP, a scale-ep): not started again unless wanted
+    retired_at: float = 0.0  # when it was found retired (monotonic): a size read before then predates its exit
     causes: list[str] = field(default_factory=list)  # why it was restarted, in order
     gang: "Gang | None" = None  # the children it lives and dies with
 
@@ -127,6 +130,11 @@ class Supervisor:
         """Start every member of ``gang`` (after its ``renew``) and watch them as one from now on."""
         return self.call(self._start_gang, gang)
 
+    def want_ranks(self, gang: Gang, size: int, read_at: float) -> None:
+        """``gang``'s elastic group is wanted at ``size`` ranks, as read (asked for) at ``read_at`` (monotonic):
+        its members below that rank that exited 0 before then start again, on the gang's rendezvous, and join."""
+        self.call(self._want, gang, size, read_at)
+
     def restart_dead(self, on: bool) -> None:
         """Turn restarts on or off; once this returns with ``on=False``, nothing is started again."""
         self.call(setattr, self, "restarting", on)
@@ -182,6 +190,17 @@ class Supervisor:
             self.gangs.append(gang)
         return procs
 
+    def _want(self, gang: Gang, size: int, read_at: float) -> None:
+        if not (self.restarting and gang.elastic and gang.restart_at is None):
+            return
+        for child in gang.members[:size]:
+            if child.retired and child.retired_at < read_at:
+                child.retired = False
+                child.causes.append(f"its group is wanted at {size} ranks")
+                logger.warning("%s: %s is wanted at %d ranks: starting it again; it joins the ranks that serve",
+                               child.name, gang.name, size)
+                self._start(child)
+
     def _check(self, now: float) -> None:
         for gang in self.gangs:
             self._check_gang(gang, now)
@@ -226,7 +245,7 @@ class Supervisor:
                 continue
             code = None if child.retired or child.proc is None else child.proc.poll()
             if code == 0:
-                child.retired = True
+                child.retired, child.retired_at = True, time.monotonic()
                 logger.warning("%s exited normally (exit code 0): it is not restarted", child.name)
             elif code is not None:
                 dead.append((child, code))

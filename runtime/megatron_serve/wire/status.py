@@ -37,6 +37,8 @@ class StatusReply(Body):
     incomplete_weights: list[str] | None = None  # engines left with a mix by a failed refit (UNPAUSE refused)
     stall_timeout: float | None = None  # an engine whose ``stalled_s`` passes it is removed as unresponsive
     sessions: dict[str, Any] | None = None  # session affinity: sessions known, requests kept and moved, the TTL
+    # expert-parallel groups of data-parallel attention ranks: each one's size wanted (SCALE_EP), full size, ranks
+    expert_groups: list[dict[str, Any]] | None = None
 
 
 class Heartbeat(Body):
