@@ -99,3 +99,15 @@ def test_a_planned_change_places_every_expert_over_the_members_from_what_each_ho
 def test_a_joiner_computes_the_placement_the_members_use_from_the_membership_alone():
     assert members_plan(4, [0, 1, 3], 8, 8) == survivor_plan(list(range(8)), 4, [2], 8)
     assert members_plan(4, [0, 1, 3], 16, 20) == survivor_plan(identity_plan(16, 20, 4), 4, [2], 16)
+
+
+def test_a_move_swapped_in_on_some_survivors_only_recovers_from_what_each_holds():
+    """A loss in an EPLB move's last collective: ranks 0 and 1 swapped the new placement in, rank 3 kept the old one
+    (``engine.expert_recovery`` gathers what each holds; the lost rank's slots are -1). Every expert is placed and
+    each survivor's moves and reads fill its slots."""
+    before = identity_plan(16, 20, 4)
+    after = plan_layer([9.0, 9.0, *[1.0] * 14], 20, 4)
+    held = [*after[:10], *[-1] * 5, *before[15:]]
+    new = survivor_plan(held, 4, {2}, 16)
+    assert set(new) == set(range(16)) and -1 not in new
+    assert simulate(held, 4, {2}, 16) == new

@@ -30,7 +30,7 @@ import gc
 import logging
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -116,9 +116,9 @@ class GroupSurvival:
             raise EngineGroupLost(f"data-parallel attention ranks lost one of them and could not regroup: {exc}"
                                   ) from cause
         lost = sorted(set(range(ranks)) - set(new.members))
-        self._join_groups(new.rank, len(new.members))
-        recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank, dist.group.WORLD)
-        self._rebalance()
+        self._serve_over(new.rank, len(new.members), f"the {len(new.members)} ranks left",
+                         lambda: recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank,
+                                                 dist.group.WORLD))
         lost_ranks = [self.members[r] for r in lost]
         self.members = [self.members[r] for r in new.members]
         logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", self.dp_rank,
@@ -165,13 +165,25 @@ class GroupSurvival:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"regroup/{plan.generation}/group/", self.store),
                                 rank=self.rank, world_size=len(self.members),
                                 timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        self._join_groups(self.rank, len(self.members))
-        place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size, self.redundant, self.members,
-                          self.dp_rank, dist.group.WORLD)
-        self._rebalance()
+        self._serve_over(self.rank, len(self.members), f"generation {plan.generation}'s ranks {plan.members}",
+                         lambda: place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size,
+                                                   self.redundant, self.members, self.dp_rank, dist.group.WORLD))
         logger.warning("expert-parallel rank %d is rank %d of %d in generation %d (ranks %s)", self.dp_rank, self.rank,
                        len(self.members), self.generation, self.members)
         self._formed()
+
+    def _serve_over(self, rank: int, ranks: int, over: str, place: Callable[[], int]) -> None:
+        """The model's groups over the new default group (this rank ``rank`` of ``ranks``), the experts placed
+        (``place``, every member together) and EPLB over the group; :class:`~megatron_serve.errors.EngineGroupLost`
+        naming ``over`` where any of it fails (a member lost meanwhile, the checkpoint unreadable): the others may
+        hold a placement this rank does not."""
+        try:
+            self._join_groups(rank, ranks)
+            place()
+            self._rebalance()
+        except Exception as exc:  # noqa: BLE001 - any failure here leaves this rank out of the others' placement
+            raise EngineGroupLost(f"expert-parallel rank {self.dp_rank} could not place the experts over {over}: "
+                                  f"{exc}") from exc
 
     def _join_groups(self, rank: int, ranks: int) -> None:
         """The data-parallel groups over the new default group, into the model (one
