@@ -1,7 +1,8 @@
 """The size each expert-parallel group is wanted at, in the coordinator's STATUS (``expert_groups``): the group's
-``--data-parallel-size`` from the start, the size SCALE_EP asks for from the moment it goes to the engines (before any
-rank can leave, so that ``run`` never reads an older size after a rank left), back to the size before when the
-engines refuse it; ``control status`` prints it beside the ranks connected."""
+``--data-parallel-size`` from the start (not ``scaled``: ``run`` starts no rank for it), the size SCALE_EP asks for
+from the moment it goes to the engines (before any rank can leave, so that ``run`` never reads an older size after a
+rank left), back to the size before when the engines refuse it; ``control status`` prints it beside the ranks
+connected."""
 
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ def test_status_shows_each_group_s_size_wanted_beside_its_ranks_and_scale_ep_set
     h.client(C)
     group_of_three(h)
     h.engine(b"replica", group=1)  # no data-parallel attention: no expert group
-    assert expert_groups(h) == [{"group": 0, "wanted": 3, "size": 3, "ranks": [0, 1, 2]}]
+    assert expert_groups(h) == [{"group": 0, "wanted": 3, "scaled": False, "size": 3, "ranks": [0, 1, 2]}]
     scale(h, 2, "down", b"replica", leaving=False)
     assert h.take(C, Header.CONTROL_ACK)
-    assert expert_groups(h) == [{"group": 0, "wanted": 2, "size": 3, "ranks": [0, 1, 2]}]
+    assert expert_groups(h) == [{"group": 0, "wanted": 2, "scaled": True, "size": 3, "ranks": [0, 1, 2]}]
     h.core.remove_engine(h.core.engines[next(iter(h.core.engines))], "gone", expected=True)
-    assert expert_groups(h) == [{"group": 0, "wanted": 2, "size": 3, "ranks": [1, 2]}]
+    assert expert_groups(h) == [{"group": 0, "wanted": 2, "scaled": True, "size": 3, "ranks": [1, 2]}]
     scale(h, 3, "up", b"replica", leaving=False)
     assert h.take(C, Header.CONTROL_ACK)
     assert expert_groups(h)[0]["wanted"] == 3
@@ -47,7 +48,7 @@ def test_a_refused_scale_ep_leaves_the_size_wanted_before_it():
     group_of_three(h)
     scale(h, 2, "s", error="scale-ep 2: this engine is not a rank of an expert-parallel group ...")
     assert h.take(C, Header.ERROR)
-    assert expert_groups(h)[0]["wanted"] == 3
+    assert expert_groups(h)[0] == {"group": 0, "wanted": 3, "scaled": False, "size": 3, "ranks": [0, 1, 2]}
 
 
 def test_control_status_prints_the_size_wanted_and_the_ranks_connected():

@@ -25,12 +25,15 @@ class WantedSizes:
     only the coordinator sees every SCALE_EP (a ``control`` process sends it); STATUS reports it beside the ranks
     connected, and whoever starts the ranks (``run``'s supervisor) reads it there. It is set when the verb goes to
     the engines, before any rank can leave (so a STATUS read after a rank left never shows the size before), and
-    put back when they refused it. A restarted coordinator starts over from the groups' ``--data-parallel-size``."""
+    put back when they refused it. A restarted coordinator starts over from the groups' ``--data-parallel-size``, not
+    ``scaled``: ``run`` starts ranks only for a size a SCALE_EP asked for, so that such a restart never undoes a
+    shrink."""
 
     def __init__(self) -> None:
         self.wanted: dict[int, int] = {}  # engine group -> data-parallel ranks wanted
         self.full: dict[int, int] = {}  # engine group -> its --data-parallel-size
-        self.before: dict[int, int] = {}  # the sizes before the SCALE_EP in flight (verbs run one at a time)
+        self.scaled: set[int] = set()  # the groups whose size a SCALE_EP (to this coordinator) set
+        self.before: tuple[dict[int, int], set[int]] = ({}, set())  # both before the SCALE_EP in flight (one at a time)
 
     def _learn(self, engines: Iterable[EngineRecord]) -> None:
         """Every group of data-parallel attention ranks among ``engines`` is wanted whole until a SCALE_EP says
@@ -43,20 +46,22 @@ class WantedSizes:
     def asked(self, engines: Iterable[EngineRecord], size: int) -> None:
         """SCALE_EP to ``size`` goes to every engine: every group is wanted at that size from now on."""
         self._learn(engines)
-        self.before = dict(self.wanted)
+        self.before = dict(self.wanted), set(self.scaled)
         for group, full in self.full.items():
             self.wanted[group] = min(size, full)
+            self.scaled.add(group)
 
     def refused(self) -> None:
         """The engines refused the SCALE_EP just asked: the sizes wanted before it stand."""
-        self.wanted.update(self.before)
+        self.wanted.update(self.before[0])
+        self.scaled = self.before[1]
 
     def describe(self, engines: Iterable[EngineRecord]) -> list[dict[str, Any]]:
-        """STATUS's ``expert_groups``: per group, its ``wanted`` size, its full ``size`` and the data-parallel
-        ``ranks`` connected now (a rank that leaves is among them until it exits)."""
+        """STATUS's ``expert_groups``: per group, its ``wanted`` size (``scaled``: a SCALE_EP asked for it), its full
+        ``size`` and the data-parallel ``ranks`` connected now (a rank that leaves is among them until it exits)."""
         engines = list(engines)
         self._learn(engines)
-        return [{"group": group, "wanted": self.wanted[group], "size": self.full[group],
+        return [{"group": group, "wanted": self.wanted[group], "scaled": group in self.scaled, "size": self.full[group],
                  "ranks": sorted(e.info["data_parallel_rank"] for e in engines
                                  if e.group == group and isinstance(e.info.get("data_parallel_rank"), int))}
                 for group in sorted(self.full)]

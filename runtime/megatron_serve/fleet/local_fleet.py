@@ -344,10 +344,11 @@ class LocalFleet:
     def want_ranks(self, expert_groups: list[dict[str, Any]], read_at: float) -> None:
         """The sizes wanted of the expert groups (STATUS's ``expert_groups``, asked for at ``read_at``, monotonic):
         each elastic gang starts again the ranks below its size that ``scale-ep`` took out before then (they
-        join); the ranks above it stay out."""
+        join); the ranks above it stay out. Only a size a SCALE_EP asked for counts (``scaled``): a restarted
+        coordinator's, its ``--data-parallel-size``, would undo a shrink it never saw."""
         for group in expert_groups:
             gang = self._gangs.get(group["group"])
-            if gang is not None and gang.elastic and len(group["ranks"]) < group["wanted"]:
+            if gang is not None and gang.elastic and group["scaled"] and len(group["ranks"]) < group["wanted"]:
                 self._supervisor.want_ranks(gang, group["wanted"], read_at)
 
     def supervise(self, on: bool = True) -> None:
