@@ -20,12 +20,10 @@ Requests without a tenant never come here (``coordinator.requests`` keeps them a
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Generic, Protocol, TypeVar
 
-from ..wire.tenancy import CLASSES, TenantTag, band_of
-
-if TYPE_CHECKING:
-    from .requests import RequestRecord
+from ..wire.sampling_params import SamplingParams
+from ..wire.tenancy import CLASSES, band_of
 
 #: Seconds a queued request waits before it counts as one band better.
 DEFAULT_PROMOTE_AFTER = 30.0
@@ -36,11 +34,28 @@ MAX_COUNTED = 10_000
 Entry = tuple[int, int, str]
 
 
-class FairQueue:
+class Tenanted(Protocol):
+    """What the queue reads and writes of a request (the request table's record is one): said here, so that the
+    queue sits beneath the table that holds it and knows nothing else of a record."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_tokens: list[int]
+    queued_at: float | None  # when it was queued (its band improves as it waits)
+    charged: int  # tokens charged to its tenant's share, settled at its finish
+
+    @property
+    def generated_tokens(self) -> list[int]: ...
+
+
+R = TypeVar("R", bound=Tenanted)
+
+
+class FairQueue(Generic[R]):
     """The queued requests of tenants (module docstring). ``live(key, order)``: the queued record an entry stands for,
     or None for a stale entry (finished, or queued again since)."""
 
-    def __init__(self, live: Callable[[str, int], "RequestRecord | None"],
+    def __init__(self, live: Callable[[str, int], R | None],
                  promote_after: float | None = DEFAULT_PROMOTE_AFTER) -> None:
         self.live = live
         self.promote_after = promote_after
@@ -51,7 +66,7 @@ class FairQueue:
     def __bool__(self) -> bool:
         return self.size > 0
 
-    def push(self, record: "RequestRecord", order: int, now: float | None) -> None:
+    def push(self, record: R, order: int, now: float | None) -> None:
         tag = record.params.tenant
         assert tag is not None, "only requests of tenants are queued here"
         tenants = self.bands[band_of(tag)]
@@ -74,9 +89,9 @@ class FairQueue:
             queued = {other for tenants in self.bands for other in tenants}
             self.counts = {tenant: count for tenant, count in self.counts.items() if tenant in queued or tenant == name}
 
-    def head(self, now: float | None) -> tuple["RequestRecord", int] | None:
+    def head(self, now: float | None) -> tuple[R, int] | None:
         """The next request and the band it counts in now (its own, or better after waiting), or None."""
-        best: tuple[tuple[int, float, int], "RequestRecord", int] | None = None
+        best: tuple[tuple[int, float, int], R, int] | None = None
         for band, tenants in enumerate(self.bands):
             for name in list(tenants):
                 heap = tenants[name]
@@ -90,7 +105,7 @@ class FairQueue:
                     best = (rank, record, effective)
         return None if best is None else (best[1], best[2])
 
-    def _head_of(self, heap: list[Entry]) -> "RequestRecord | None":
+    def _head_of(self, heap: list[Entry]) -> R | None:
         while heap:
             _, order, key = heap[0]
             record = self.live(key, order)
@@ -100,19 +115,19 @@ class FairQueue:
             self.size -= 1
         return None
 
-    def _band(self, band: int, record: "RequestRecord", now: float | None) -> int:
+    def _band(self, band: int, record: R, now: float | None) -> int:
         if now is None or not self.promote_after or record.queued_at is None:
             return band
         return max(0, band - int((now - record.queued_at) // self.promote_after))
 
-    def pop(self, record: "RequestRecord") -> None:
+    def pop(self, record: R) -> None:
         """Remove ``record``, the head :meth:`head` returned."""
         tag = record.params.tenant
         assert tag is not None
         heapq.heappop(self.bands[band_of(tag)][tag.name])
         self.size -= 1
 
-    def charge(self, record: "RequestRecord") -> None:
+    def charge(self, record: R) -> None:
         """``record`` is dispatched: its tenant is charged what it may cost (its prompt and the tokens it may still
         generate), settled when it finishes (:meth:`settle`). Charged up front, a tenant's share counts the work it
         was given, not only the work done so far: the requests it has waiting in engines count too."""
@@ -122,7 +137,7 @@ class FairQueue:
         record.charged += cost
         self.counts[tag.name] = self.counts.get(tag.name, 0.0) + cost / tag.weight
 
-    def settle(self, record: "RequestRecord") -> None:
+    def settle(self, record: R) -> None:
         """``record`` finished: what it was charged and did not use goes back to its tenant."""
         tag = record.params.tenant
         unused = record.charged - len(record.prompt_tokens) - len(record.generated_tokens)

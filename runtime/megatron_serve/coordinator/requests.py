@@ -158,7 +158,8 @@ class RequestTable:
         self.records: dict[str, RequestRecord] = {}
         self.queue: collections.deque[str] = collections.deque()  # priority 0, and moved requests (first)
         self.ranked: list[tuple[int, int, str]] = []  # heap of (priority, order, key): priorities other than 0
-        self.fair = FairQueue(self._live)  # requests of tenants (SamplingParams.tenant): bands, fair shares
+        # requests of tenants (SamplingParams.tenant): bands, fair shares
+        self.fair: FairQueue[RequestRecord] = FairQueue(self._live)
         self._order = itertools.count(1)
         self._head_ranked = False  # whether next_queued's answer came from the heap
         self._head_fair: RequestRecord | None = None  # next_queued's answer, when it came from the tenants' queue
