@@ -4,6 +4,7 @@ Engines and clients connect DEALER sockets to the coordinator's ROUTER (docs/arc
 The package is split by the question a reader has:
 
 * :mod:`.core` -- all state and decisions, no sockets: inputs in, effects out (:mod:`.effects`);
+* :mod:`.core_view` -- the core as the modules below see it (a Protocol: none of them imports the core);
 * :mod:`.handshake` -- HELLO and its proof of the fleet secret, engine groups and client ids;
 * :mod:`.requests` -- the request table and its phases;
 * :mod:`.dispatch` -- which engine gets the next queued request;

@@ -9,7 +9,8 @@ runs it and dispatches. This is how it is unit-tested without ZeroMQ (tests/coor
 
 The jobs live beside it, one module each: :mod:`.handshake` (HELLO, registration),
 :mod:`.requests` (the request table), :mod:`.dispatch` (routing queued requests to engines),
-:mod:`.verbs` (the lifecycle state machine), :mod:`.liveness` (heartbeats, probes, stalls).
+:mod:`.verbs` (the lifecycle state machine), :mod:`.liveness` (heartbeats, probes, stalls). They take this
+core as a :class:`~.core_view.CoreView` (declared beneath them), so that none of them imports this module.
 """
 
 from __future__ import annotations

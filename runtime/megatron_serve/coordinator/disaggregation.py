@@ -21,18 +21,16 @@ decode engines lets its prefill engines finish what they start.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import msgspec
 
 from ..wire.kv_blocks import KVBlocks, remote_decode, remote_prefill
 from ..wire.deltas import RequestDelta
 from ..wire.submission import EngineSubmitOut
+from .core_view import CoreView
+from .peers import EngineRecord
 from .requests import RequestRecord, final_facts
-
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
-    from .peers import EngineRecord
 
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 
@@ -40,7 +38,7 @@ PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 _PARAMS = msgspec.msgpack.Encoder()
 
 
-def kv_role(engine: "EngineRecord") -> str:
+def kv_role(engine: EngineRecord) -> str:
     """The part an engine plays (its HELLO's ``kv_role``; absent: both, as every engine before disaggregation)."""
     role = engine.info.get("kv_role")
     return role if role in (PRODUCER, CONSUMER) else BOTH
@@ -60,8 +58,8 @@ class Handoffs:
     def active(self) -> bool:
         return bool(self.prefilling or self.blocks)
 
-    def candidates(self, core: "CoordinatorCore", record: RequestRecord,
-                   engines: Sequence["EngineRecord"]) -> Sequence["EngineRecord"]:
+    def candidates(self, core: CoreView, record: RequestRecord,
+                   engines: Sequence[EngineRecord]) -> Sequence[EngineRecord]:
         """The engines that may take ``record`` now: prefill engines for a request with nothing generated,
         the others for the rest; all of them where the fleet has no engine of that part registered (and in a
         colocated fleet, at the cost of one comparison)."""
@@ -77,7 +75,7 @@ class Handoffs:
             wanted = (PRODUCER,) if PRODUCER in registered else (CONSUMER, BOTH)
         return [engine for engine in engines if kv_role(engine) in wanted]
 
-    def submit(self, record: RequestRecord, engine: "EngineRecord",
+    def submit(self, record: RequestRecord, engine: EngineRecord,
                body: EngineSubmitOut) -> tuple[list[KVBlocks], EngineSubmitOut]:
         """What ``engine`` is sent for ``record``: the ``KV_BLOCKS`` to send first (for a decode, the blocks it
         continues from) and the ``ENGINE_SUBMIT`` (for a prefill, its first token only, the blocks asked for)."""
@@ -96,7 +94,7 @@ class Handoffs:
             return parts, EngineSubmitOut(request=body.request, kv_transfer_params=remote_prefill(parts[0].engine_id))
         return [], body
 
-    def on_blocks(self, core: "CoordinatorCore", engine: "EngineRecord", blocks: KVBlocks) -> None:
+    def on_blocks(self, core: CoreView, engine: EngineRecord, blocks: KVBlocks) -> None:
         """``KV_BLOCKS`` from ``engine``: kept for the request's decode engine when it is this engine's prefill."""
         problem = blocks.problem()
         if blocks.engine_id != engine.engine_id:
@@ -108,7 +106,7 @@ class Handoffs:
             return
         self.blocks.setdefault(blocks.request_id, []).append(blocks)
 
-    def on_output(self, core: "CoordinatorCore", engine: "EngineRecord", record: RequestRecord,
+    def on_output(self, core: CoreView, engine: EngineRecord, record: RequestRecord,
                   out: RequestDelta, final: msgspec.Raw | None) -> bool:
         """An engine's output for a request it runs (mirrored already; ``final``: a finished one's record, as the
         engine sent it); True when it ends the request's prefill and the request was queued for its decode engine

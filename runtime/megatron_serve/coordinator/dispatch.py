@@ -15,7 +15,7 @@ only be asked to choose among candidates that include it under the load bound.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
@@ -24,12 +24,17 @@ from ..wire.submission import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from ..wire.tenancy import WORST_BAND, band_of
+from .core_view import CoreView
+from .disaggregation import Handoffs
+from .peers import EngineRecord
 from .requests import RequestRecord
 from .routing import adapter_candidates
 
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
-    from .peers import EngineRecord
+
+class Dispatching(CoreView, Protocol):
+    """The core as dispatch sees it: its view, and the requests between their prefill and decode engines."""
+
+    handoffs: Handoffs
 
 
 def wire_record(record: RequestRecord) -> EngineRequestOut:
@@ -49,13 +54,13 @@ def wire_record(record: RequestRecord) -> EngineRequestOut:
         routing_indices=None if record.routing is None else RoutingArray.of(record.routing.array()))
 
 
-def dispatch(core: "CoordinatorCore", now: float) -> None:
+def dispatch(core: Dispatching, now: float) -> None:
     """Send queued requests to engines, in queue order, until the queue or the engines' room runs out."""
     if core.state is not FleetState.RUNNING or not core.engines:
         return
     factor = core.dispatch_factor
 
-    def room(engine: "EngineRecord") -> bool:
+    def room(engine: EngineRecord) -> bool:
         return engine.load < max(1, int(engine.capacity * factor))
 
     core.sessions.expire(now)
@@ -99,7 +104,7 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
             candidates.remove(engine)
 
 
-def send(core: "CoordinatorCore", record: RequestRecord, engine: "EngineRecord", now: float) -> None:
+def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float) -> None:
     """Dispatch the queued request the table just popped to ``engine``."""
     if record.params.tenant is not None:
         core.requests.fair.charge(record)
@@ -113,7 +118,7 @@ def send(core: "CoordinatorCore", record: RequestRecord, engine: "EngineRecord",
     core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
 
 
-def band_room(core: "CoordinatorCore", engine: "EngineRecord", band: int) -> bool:
+def band_room(core: CoreView, engine: EngineRecord, band: int) -> bool:
     """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
     ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
     records = core.requests.records

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .core_view import CoreView
 from .peers import EngineRecord
 from .requests import Phase
-
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -89,7 +87,7 @@ def scale_refused(engines: dict[str, dict[str, Any]]) -> str | None:
     return f"SCALE_EP refused by engine {refusals[0][0]}{more}: {refusals[0][1]}"
 
 
-def leave(core: "CoordinatorCore", engine: EngineRecord, handed_back: list[Any]) -> None:
+def leave(core: CoreView, engine: EngineRecord, handed_back: list[Any]) -> None:
     """``engine`` leaves its expert-parallel group: nothing more is routed to it, and the requests it handed back are
     resubmitted to the others (what it still holds when it exits is resubmitted then, as for any engine gone)."""
     if not engine.draining:

@@ -16,25 +16,31 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..wire.lifecycle import FleetState
 from ..wire.handshake import PROTOCOL_VERSION, Error, Hello, HelloAck
 from ..wire.rendezvous import RENDEZVOUS_SCHEME, PeerShare
 from ..wire.protocol import ErrorCode, Header, Role
+from .core_view import CoreView
+from .liveness import Liveness
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 from .step_tokens import catch_up
-
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
 HEARTBEAT_INTERVAL = 1.0  # what engines are told to keep
 
 
-def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, key: bytes | None = None,
+class Registering(CoreView, Protocol):
+    """The core as the handshake sees it: its view, and liveness's memory (an engine that registers again is no
+    longer kept out as unresponsive)."""
+
+    liveness: Liveness
+
+
+def on_hello(core: Registering, identity: bytes, body: Hello, now: float, key: bytes | None = None,
              probed: bool = False) -> None:
     """A HELLO on the connection ``identity``, whose CURVE key is ``key`` (``probed``: it waited for a probe
     of the group's holder, and was checked before)."""
@@ -65,7 +71,7 @@ def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, 
         _register_client(core, identity, role, body, now, key)
 
 
-def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]) -> None:
+def _ack_again(core: CoreView, identity: bytes, known: tuple[Role, str]) -> None:
     ack = HelloAck(coordinator_id=core.coordinator_id, state=core.state.value, protocol=PROTOCOL_VERSION,
                    tokenizer=None if known[0] is Role.ENGINE else core.tokenizer_dir)
     engine = core.engines.get(known[1]) if known[0] is Role.ENGINE else None
@@ -75,7 +81,7 @@ def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]
     core.send(identity, Header.HELLO_ACK, ack)
 
 
-def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, probed: bool) -> None:
+def _register_engine(core: Registering, identity: bytes, body: Hello, now: float, probed: bool) -> None:
     info = dict(body.info or {})
     rank = data_parallel_rank(info)
     if isinstance(rank, str):
@@ -131,7 +137,7 @@ def data_parallel_rank(info: dict[str, Any]) -> int | str:
     return rank
 
 
-def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
+def _weights_for(core: CoreView, engine: EngineRecord) -> dict[str, Any] | None:
     """At registration: the ``refit`` an engine must load before serving, if any.
 
     Weights a trainer sent cannot be reloaded from a directory: an engine that lacks them pulls them from a live
@@ -170,7 +176,7 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
     return {"source": core.weights_source, "epoch": core.epoch}
 
 
-def _pull_from_peer(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
+def _pull_from_peer(core: CoreView, engine: EngineRecord) -> dict[str, Any] | None:
     """At registration after a trainer's refit: pick a donor for ``engine`` (a live engine of the same layout at the
     fleet's epoch with a peer store, the most recently heard first), tell it to send its weights, and return what the
     joiner's HELLO_ACK says of it (:mod:`megatron_serve.weights.peer_pull`); None when there is none. A group's ranks
@@ -193,7 +199,7 @@ def _pull_from_peer(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, 
     return {"address": donor.peer_store, "prefix": prefix, "engine_id": donor.engine_id, "timeout_s": timeout}
 
 
-def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body: Hello, now: float,
+def _register_client(core: CoreView, identity: bytes, role: Role, body: Hello, now: float,
                      key: bytes | None) -> None:
     client_id = body.client_id or uuid.uuid4().hex
     client = core.clients.get(client_id)
@@ -232,7 +238,7 @@ def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body:
     # A verb that was in progress when the client lost its connection answers on the new one.
 
 
-def forget_peer(core: "CoordinatorCore", identity: bytes, reason: str, now: float) -> None:
+def forget_peer(core: CoreView, identity: bytes, reason: str, now: float) -> None:
     """A connection is gone: an engine leaves the fleet; a client goes offline (its requests stay)."""
     known = core.peers.pop(identity, None)
     if known is None:

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..wire.lifecycle import FleetState
 from ..wire.handshake import Error
 from ..wire.protocol import ErrorCode, Header
+from .core_view import CoreView
 from .peers import EngineRecord
 from .requests import Phase
-
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
+from .verbs import VerbRunner
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -43,14 +42,14 @@ class Liveness:
         self.hello_required_sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self.last_sweep = 0.0
 
-    def drop_unresponsive(self, core: "CoordinatorCore", engine: EngineRecord, why: str) -> None:
+    def drop_unresponsive(self, core: CoreView, engine: EngineRecord, why: str) -> None:
         """Remove an engine whose step loop does not answer, and keep it out until it does."""
         self.unresponsive[engine.identity] = engine.engine_id
         while len(self.unresponsive) > _UNRESPONSIVE_KEPT:
             self.unresponsive.popitem(last=False)
         core.remove_engine(engine, f"{why} (heartbeats alone do not count; kept out until it answers)")
 
-    def unresponsive_frame(self, core: "CoordinatorCore", identity: bytes, header: Header) -> bool:
+    def unresponsive_frame(self, core: CoreView, identity: bytes, header: Header) -> bool:
         """A frame from an engine removed as unresponsive; True when handled (nothing else to do).
 
         Its heartbeats are answered, so that its link neither re-registers nor reconnects under a
@@ -69,7 +68,7 @@ class Liveness:
                     engine_id, header.name)
         return False
 
-    def hello_required(self, core: "CoordinatorCore", identity: bytes, now: float) -> None:
+    def hello_required(self, core: CoreView, identity: bytes, now: float) -> None:
         """Tell an unknown (but protocol-speaking) peer to HELLO again, at most once a second: in a secure
         fleet only a connection that proved the secret before (a stranger is told nothing)."""
         if core.secret is not None and identity not in core.proven:
@@ -86,7 +85,15 @@ class Liveness:
                                                         "peer: send HELLO"))
 
 
-def expire(core: "CoordinatorCore", now: float) -> None:
+class Watching(CoreView, Protocol):
+    """The core as liveness sees it: its view, what liveness remembers, and the verb in flight (whose step has a
+    deadline of its own, and which stops the stall clocks)."""
+
+    liveness: Liveness
+    verbs: VerbRunner
+
+
+def expire(core: Watching, now: float) -> None:
     """Everything that a deadline decides, once per tick."""
     for engine in list(core.engines.values()):
         if now - engine.last_seen > core.heartbeat_timeout:
@@ -103,7 +110,7 @@ def expire(core: "CoordinatorCore", now: float) -> None:
         _sweep_clients(core, now)
 
 
-def _expire_stalled(core: "CoordinatorCore", now: float) -> None:
+def _expire_stalled(core: Watching, now: float) -> None:
     """Remove the engines whose step loop made no progress for ``stall_timeout`` while they have requests.
 
     The clock runs only while the fleet is RUNNING with no verb in flight (engines do not step
@@ -122,11 +129,11 @@ def _expire_stalled(core: "CoordinatorCore", now: float) -> None:
                                                           f"with {engine.load} request(s) assigned")
 
 
-def _clocks_run(core: "CoordinatorCore") -> bool:
+def _clocks_run(core: Watching) -> bool:
     return core.state is FleetState.RUNNING and not core.verbs.queue
 
 
-def stalled_for(core: "CoordinatorCore", engine: EngineRecord, now: float) -> float:
+def stalled_for(core: Watching, engine: EngineRecord, now: float) -> float:
     """How long ``engine``'s step loop has made no progress with requests assigned, as the stall clock counts it
     (0 while it does not count: see :func:`_expire_stalled`); ``STATUS_REPLY`` shows it, so that a server's
     liveness probe sees a wedged loop before the coordinator removes the engine at ``stall_timeout``."""
@@ -135,7 +142,7 @@ def stalled_for(core: "CoordinatorCore", engine: EngineRecord, now: float) -> fl
     return max(now - engine.stall_clock, 0.0)
 
 
-def _sweep_clients(core: "CoordinatorCore", now: float) -> None:
+def _sweep_clients(core: CoreView, now: float) -> None:
     for client in list(core.clients.values()):
         if client.identity is not None and now - client.last_seen > _CLIENT_SILENCE:
             core.probe(client.identity)

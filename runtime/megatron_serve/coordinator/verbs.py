@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -62,12 +62,10 @@ from ..wire.controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetP
 from ..wire.handshake import Error
 from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
+from .core_view import CoreView
 from .expert_group import WantedSizes, leave, scale_problem, scale_refused
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
-
-if TYPE_CHECKING:
-    from .core import CoordinatorCore
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -130,7 +128,7 @@ class ControlOp:
 class VerbRunner:
     """Queue and run the verbs of one coordinator (``core``: its state, sends and removals)."""
 
-    def __init__(self, core: "CoordinatorCore") -> None:
+    def __init__(self, core: CoreView) -> None:
         self.core = core
         self.queue: collections.deque[ControlOp] = collections.deque()
         # control id -> (what it asked, the answer)
@@ -567,7 +565,7 @@ class VerbRunner:
 
 
 
-def _keep_pushed(core: "CoordinatorCore", op: ControlOp, name: str, paths: set[str | None]) -> None:
+def _keep_pushed(core: CoreView, op: ControlOp, name: str, paths: set[str | None]) -> None:
     """After a push every engine took (alone, or in a policy refit): when they all stored it in one directory
     (``--lora-push-dir``; ``paths``: what each engine said), engines that register later load it from there, like a
     LOAD_LORA's adapter (engine.lora_store); otherwise a directory recorded for the name would serve an older
