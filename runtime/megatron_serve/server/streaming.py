@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import collections
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,9 +34,6 @@ from .chunks import sse
 from .chunked import ChunkedBody, chunked_body, offered
 from .drain import Stopping
 from .errors import APIError, shutting_down
-
-if TYPE_CHECKING:  # annotations only: the submission's module writes its events through this one
-    from .generation import Submission
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -263,6 +260,16 @@ class EventWriter:
             await self._wait()
 
 
+class StreamSource(Protocol):
+    """The work a streamed answer streams (``generation.Submission`` is one), named here so that the module that makes
+    the events writes them through this one and this one knows nothing else of it: ``start_stream`` starts it, each
+    item becoming events through ``render``, written to ``writer``; ``close`` aborts what is unfinished."""
+
+    def start_stream(self, render: Renderer[Any], writer: EventWriter) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class EventStreamResponse(Response):
     """A ``text/event-stream`` response whose events an :class:`EventWriter` holds (see :func:`stream_answer`).
 
@@ -274,7 +281,7 @@ class EventStreamResponse(Response):
     media_type = "text/event-stream"
     _headers: tuple[tuple[bytes, bytes], ...] | None = None  # every stream's: what init_headers makes, made once
 
-    def __init__(self, writer: EventWriter, submission: Submission, answer_id: str) -> None:
+    def __init__(self, writer: EventWriter, submission: StreamSource, answer_id: str) -> None:
         self.status_code = 200
         self.background = None
         if EventStreamResponse._headers is None:
@@ -312,7 +319,7 @@ class EventStreamResponse(Response):
                 logger.debug("the client of %s left its stream: its engine requests are aborted", self._answer_id)
 
 
-async def stream_answer(submission: Submission, render: Renderer[Any], answer_id: str) -> EventStreamResponse:
+async def stream_answer(submission: StreamSource, render: Renderer[Any], answer_id: str) -> EventStreamResponse:
     """The streamed answer of ``submission``, its events made by ``render`` as its items arrive and written by one
     :class:`EventWriter`: an :class:`EventStreamResponse` once the first events exist, so that a problem before them
     is still answered with its status code (400, 429, 503); after them it becomes an ``error`` event, and
