@@ -6,22 +6,27 @@ each holds and the checkpoint, the balancer restarted over the new group), every
 uninterrupted run, and the experts move again over the three, with the tokens still ``==``
 (``--batch-invariant``: a token's result depends neither on the rank count nor on which replica ran it). The lost
 rank's restart then joins (the membership's placement, EPLB's copies included), and the four serve and balance again,
-the tokens still ``==``."""
+the tokens still ``==``. And a rank killed with a move in flight (a router without a favourite and a plan every step,
+so the layers move all the time): the move is dropped, the three serve on, every stream ``==``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from megatron_serve.model.tiny import make_tiny_model
 from tests.run_stack import client_stream
 
 from ..helpers import Children, free_port
+from ..model.test_moe import VARIANTS
 from .expert_group_stack import PROMPTS, RANKS, ExpertGroup
 from .test_expert_parallel_eplb import skewed_model
 
@@ -31,25 +36,31 @@ KILLED = 2
 TOKENS = 48
 #: a plan every 8 steps from the last 8: the experts move during the uninterrupted run, and again over the three left
 EPLB = {"window_size": 8, "step_interval": 8, "num_redundant_experts": 4}
+#: a plan every step from the last one: under a router without favourites the layers move nearly every step
+RESTLESS = {"window_size": 1, "step_interval": 1, "num_redundant_experts": 4}
+PLANNED = re.compile(r"EPLB at step \d+: .*; (\d+) of \d+ MoE layers to move")
 
 
+@dataclass
 class BalancedGroup(ExpertGroup):
-    """:class:`ExpertGroup` with EPLB on."""
+    """:class:`ExpertGroup` with EPLB on (``eplb``: its ``--eplb-config``)."""
+
+    eplb: dict = field(default_factory=dict)
 
     def engine(self, rank: int) -> subprocess.Popen:
         return self.children.engine(self.model_dir, self.port, "--dtype", "float32", "--batch-invariant",
                                     "--data-parallel-size", str(RANKS), "--data-parallel-rank", str(rank),
-                                    "--enable-expert-parallel", "--enable-eplb", "--eplb-config", json.dumps(EPLB),
-                                    env=self.rendezvous)
+                                    "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+                                    json.dumps(self.eplb), env=self.rendezvous)
 
 
 @contextlib.asynccontextmanager
-async def balanced_group(tmp_path: Path) -> AsyncIterator[BalancedGroup]:
-    """The stack over the skewed model, started, its uninterrupted streams taken; every process killed after."""
+async def balanced_group(tmp_path: Path, model_dir: str, eplb: dict) -> AsyncIterator[BalancedGroup]:
+    """The stack over ``model_dir``, started, its uninterrupted streams taken; every process killed after."""
     from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
 
-    group = BalancedGroup(Children(tmp_path), skewed_model(tmp_path / "m", "qwen3_moe"), free_port(), TOKENS,
-                          rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    group = BalancedGroup(Children(tmp_path), model_dir, free_port(), TOKENS,
+                          rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}, eplb=eplb)
     try:
         group.children.coordinator(group.model_dir, group.port)
         group.engines = [group.engine(rank) for rank in range(RANKS)]
@@ -66,7 +77,7 @@ async def balanced_group(tmp_path: Path) -> AsyncIterator[BalancedGroup]:
 
 
 async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
-    async with balanced_group(tmp_path) as group:
+    async with balanced_group(tmp_path, skewed_model(tmp_path / "m", "qwen3_moe"), EPLB) as group:
         leader = group.engines[0]
         assert f"moved over {RANKS} ranks" in group.children.log_of(leader), "no expert moved before the kill"
         await group.kill_mid_stream(KILLED)
@@ -82,3 +93,21 @@ async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
         assert len(served) == RANKS and all(served.values()), served
         after = group.children.log_of(leader).split(f"is rank 0 of {RANKS} in generation", 1)
         assert len(after) == 2 and f"moved over {RANKS} ranks" in after[1], after[-1][-3000:]
+
+
+async def test_a_rank_killed_with_a_move_in_flight_leaves_the_others_serving(tmp_path):
+    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    async with balanced_group(tmp_path, model_dir, RESTLESS) as group:
+        leader = group.engines[0]
+        tasks = await group.in_flight()
+        plans = len(PLANNED.findall(group.children.log_of(leader)))
+        while not (found := PLANNED.findall(group.children.log_of(leader)))[plans:] or found[-1] == "0":
+            await asyncio.sleep(0.002)  # the kill follows a plan that moves layers: one a step, from the next step
+        group.engines[KILLED].kill()
+        await group.completed(tasks)
+        before = group.children.log_of(leader).split("a collective failed", 1)[0]
+        moved = before.rsplit("layers to move", 1)[1].count(f"moved over {RANKS} ranks")
+        assert moved < int(found[-1]), f"the planned moves were done before the kill: {before[-2000:]}"
+        again = await asyncio.gather(*(client_stream(group.client, p, TOKENS) for p in PROMPTS))
+        assert [a.tokens for a in again] == [q.tokens for q in group.quiet], [a.error for a in again]
+        assert all(engine.poll() is None for d, engine in enumerate(group.engines) if d != KILLED)
