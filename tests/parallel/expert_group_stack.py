@@ -27,13 +27,14 @@ PROMPTS = [f"Request {i}: the quick brown fox jumps over {i} lazy dogs" for i in
 @dataclass
 class ExpertGroup:
     """The stack (see the module docstring): ``engines[d]`` is data-parallel rank ``d``'s first engine process,
-    ``quiet`` each prompt's stream before anything happened to the group."""
+    ``quiet`` each prompt's stream before anything happened to the group, ``extra`` more options of every engine."""
 
     children: Children
     model_dir: str
     port: int
     tokens: int
     client: Any = None
+    extra: tuple[str, ...] = ()
     rendezvous: dict[str, str] = field(default_factory=dict)
     engines: list[subprocess.Popen] = field(default_factory=list)
     quiet: list[Streamed] = field(default_factory=list)
@@ -42,7 +43,7 @@ class ExpertGroup:
         """Data-parallel rank ``rank``'s engine, at the group's rendezvous (a restart joins the running group)."""
         return self.children.engine(self.model_dir, self.port, "--dtype", "float32", "--batch-invariant",
                                     "--data-parallel-size", str(RANKS), "--data-parallel-rank", str(rank),
-                                    "--enable-expert-parallel", env=self.rendezvous)
+                                    "--enable-expert-parallel", *self.extra, env=self.rendezvous)
 
     async def in_flight(self) -> list[asyncio.Task]:
         """Every prompt streaming, each past its first token."""
@@ -91,12 +92,15 @@ class ExpertGroup:
 
 
 @contextlib.asynccontextmanager
-async def expert_group(tmp_path: Path, tokens: int) -> AsyncIterator[ExpertGroup]:
-    """The stack started and its uninterrupted streams taken (``tokens`` each); every process killed after."""
+async def expert_group(tmp_path: Path, tokens: int, model_dir: str | None = None, extra: tuple[str, ...] = ()
+                       ) -> AsyncIterator[ExpertGroup]:
+    """The stack started and its uninterrupted streams taken (``tokens`` each); every process killed after.
+    ``model_dir``: the model (the tiny Qwen3-MoE where None); ``extra``: more options of every engine."""
     from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
 
-    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
-    group = ExpertGroup(Children(tmp_path), model_dir, free_port(), tokens,
+    if model_dir is None:
+        model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    group = ExpertGroup(Children(tmp_path), model_dir, free_port(), tokens, extra=extra,
                         rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     try:
         group.children.coordinator(model_dir, group.port)

@@ -12,22 +12,16 @@ so the layers move all the time): the move is dropped, the three serve on, every
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import subprocess
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
 
-from megatron_serve.model.tiny import make_tiny_model
 from tests.run_stack import client_stream
 
-from ..helpers import Children, free_port
-from ..model.test_moe import VARIANTS
-from .expert_group_stack import PROMPTS, RANKS, ExpertGroup
+from .expert_group_stack import PROMPTS, RANKS, ExpertGroup, expert_group
 from .test_expert_parallel_eplb import skewed_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -41,39 +35,9 @@ RESTLESS = {"window_size": 1, "step_interval": 1, "num_redundant_experts": 4}
 PLANNED = re.compile(r"EPLB at step \d+: .*; (\d+) of \d+ MoE layers to move")
 
 
-@dataclass
-class BalancedGroup(ExpertGroup):
-    """:class:`ExpertGroup` with EPLB on (``eplb``: its ``--eplb-config``)."""
-
-    eplb: dict = field(default_factory=dict)
-
-    def engine(self, rank: int) -> subprocess.Popen:
-        return self.children.engine(self.model_dir, self.port, "--dtype", "float32", "--batch-invariant",
-                                    "--data-parallel-size", str(RANKS), "--data-parallel-rank", str(rank),
-                                    "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
-                                    json.dumps(self.eplb), env=self.rendezvous)
-
-
-@contextlib.asynccontextmanager
-async def balanced_group(tmp_path: Path, model_dir: str, eplb: dict) -> AsyncIterator[BalancedGroup]:
-    """The stack over ``model_dir``, started, its uninterrupted streams taken; every process killed after."""
-    from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
-
-    group = BalancedGroup(Children(tmp_path), model_dir, free_port(), TOKENS,
-                          rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}, eplb=eplb)
-    try:
-        group.children.coordinator(group.model_dir, group.port)
-        group.engines = [group.engine(rank) for rank in range(RANKS)]
-        group.client = InferenceClient(f"tcp://127.0.0.1:{group.port}", token=group.children.secret)
-        await group.client.start(timeout=60)
-        await group.client.wait_for_engines(RANKS, timeout=300)
-        group.quiet = await asyncio.gather(*(client_stream(group.client, p, TOKENS) for p in PROMPTS))
-        assert all(q.completed for q in group.quiet), [q.error for q in group.quiet]
-        yield group
-    finally:
-        if group.client is not None:
-            group.client.close()
-        group.children.kill_all()
+def balanced_group(tmp_path: Path, model_dir: str | None, eplb: dict) -> AbstractAsyncContextManager[ExpertGroup]:
+    """The stack over ``model_dir`` (the tiny Qwen3-MoE where None) with EPLB on (``eplb``: its ``--eplb-config``)."""
+    return expert_group(tmp_path, TOKENS, model_dir, ("--enable-eplb", "--eplb-config", json.dumps(eplb)))
 
 
 async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
@@ -96,8 +60,7 @@ async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
 
 
 async def test_a_rank_killed_with_a_move_in_flight_leaves_the_others_serving(tmp_path):
-    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
-    async with balanced_group(tmp_path, model_dir, RESTLESS) as group:
+    async with balanced_group(tmp_path, None, RESTLESS) as group:
         leader = group.engines[0]
         tasks = await group.in_flight()
         plans = len(PLANNED.findall(group.children.log_of(leader)))
