@@ -10,7 +10,9 @@ steps the window's load (summed over the data-parallel attention ranks, whose to
 rank alike; each layer whose plan is better than its placement then moves, one layer at a time: its all-to-all starts
 at one step boundary, on a group of its own, and the next boundary waits for it (the step in between ran meanwhile),
 writes the new stack into the layer's parameters in place and points the map at it. A refit in between (the layer's
-weights changed) drops the move, on every rank alike.
+weights changed) drops the move, on every rank alike. A rank's loss, or a planned change of the group's ranks
+(:mod:`.group.survival`), drops any plan and move under way with the old group (:meth:`ExpertBalancer.release`), and
+the balancer starts again over the new one from the placement made there (:meth:`ExpertBalancer.regroup`).
 
 Balancedness (mean over max of the tokens per rank, 1.0 even) is kept per layer as measured over the window planned
 from, and as planned; ``log_balancedness`` logs the measured one every step on the group's first rank.

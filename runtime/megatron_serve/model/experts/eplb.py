@@ -41,6 +41,12 @@ class StepBalancer(Protocol):
     def report(self, snapshot: dict) -> None:
         """Add its series to an engine's heartbeat ``metrics``."""
 
+    def release(self) -> None:
+        """Forget the group, broken or replaced, and any move under way on it."""
+
+    def regroup(self, group: object) -> None:
+        """Balance over ``group`` from the placements as they are now, every member together."""
+
 
 def replicate(load: Sequence[float], num_physical: int) -> list[int]:
     """How many replicas each logical expert gets, ``num_physical`` in all (one each at least): each extra one goes to
