@@ -59,7 +59,7 @@ class ChunkWriter:
     :meth:`chunk` makes any chunk; :meth:`text` renders a plain text piece's chunk, most of a stream's, from the
     bytes around its text, which :meth:`chunk` itself made once per choice: the same bytes, without the choice's
     dict, its encoding and the scan of the whole chunk for line breaks per piece (what it saves per token is in
-    docs/benchmarks.md, the serving section's eighth round). The cut is exact: a string's JSON escapes alike
+    docs/benchmarks.md, the serving section's fifth round). The cut is exact: a string's JSON escapes alike
     wherever it stands, and the line breaks escaped in event data are whole characters, never cut by the ASCII
     quotes at the cut.
     """
