@@ -23,6 +23,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -93,13 +94,13 @@ class ChangeWatch:
     """The leader's per-turn look for a change asked for: one read of :data:`CHANGES`, at most every
     :data:`CHECK_S` (a turn of idle ranks comes every few milliseconds)."""
 
-    def __init__(self, store: dist.Store):
-        self.store = store
+    def __init__(self, store: dist.Store, clock: Callable[[], float] = time.monotonic):
+        self.store, self.clock = store, clock
         self.seen = int(store.get(TAKEN)) if store.check([TAKEN]) else 0
         self.next_look = 0.0
 
     def pending(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         if now < self.next_look:
             return False
         self.next_look = now + CHECK_S
