@@ -83,12 +83,13 @@ class ExpertGroup:
     async def _completed_by_engine(self) -> dict[str, int]:
         return {engine["id"]: engine["completed"] for engine in (await self.client.status())["engines"]}
 
-    def wait_for_log(self, proc: subprocess.Popen, text: str, timeout: float) -> None:
-        """Poll ``proc``'s log until it says ``text``; fails at once when ``proc`` exits."""
+    async def logged(self, proc: subprocess.Popen, text: str, timeout: float) -> None:
+        """Poll ``proc``'s log until it says ``text``; fails at once when ``proc`` exits. Awaited: the client's
+        connection runs on the same event loop and must keep answering meanwhile."""
         deadline = time.monotonic() + timeout
         while text not in self.children.log_of(proc):
             assert proc.poll() is None and time.monotonic() < deadline, self.children.log_of(proc)[-3000:]
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

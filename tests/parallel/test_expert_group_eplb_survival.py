@@ -51,7 +51,7 @@ async def test_a_killed_rank_leaves_the_others_balancing_and_serving(tmp_path):
         assert len(after) == 2 and f"moved over {RANKS - 1} ranks" in after[1], after[-1][-3000:]
 
         joiner = group.engine(KILLED)  # the lost rank's restart joins: the membership's placement, EPLB over four
-        group.wait_for_log(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
+        await group.logged(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
         await group.client.wait_for_engines(RANKS, timeout=60)
         served = await group.served_by_each()
         assert len(served) == RANKS and all(served.values()), served

@@ -27,9 +27,9 @@ async def test_the_lost_rank_restarted_joins_the_running_group_and_serves(tmp_pa
         survivors = await group.kill_mid_stream(KILLED)
 
         joiner = group.engine(KILLED)  # the lost rank's restart: the same command, the same rendezvous
-        group.wait_for_log(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
+        await group.logged(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
         for rank, survivor in zip([r for r in range(RANKS) if r != KILLED], survivors):
-            group.wait_for_log(survivor, f"expert-parallel rank {rank} is rank {rank} of {RANKS}", 30)
+            await group.logged(survivor, f"expert-parallel rank {rank} is rank {rank} of {RANKS}", 30)
         await group.client.wait_for_engines(RANKS, timeout=60)
         served = await group.served_by_each()
         assert len(served) == RANKS and all(served.values()), served  # the joiner among them
@@ -47,12 +47,12 @@ async def test_scale_ep_shrinks_the_group_mid_stream_and_its_restart_joins_again
         left = group.engines[RANKS - 1]
         assert left.wait(timeout=60) == 0, group.children.log_of(left)[-3000:]
         for rank in range(RANKS - 1):
-            group.wait_for_log(group.engines[rank], f"expert-parallel rank {rank} is rank {rank} of {RANKS - 1}", 30)
+            await group.logged(group.engines[rank], f"expert-parallel rank {rank} is rank {rank} of {RANKS - 1}", 30)
         served = await group.served_by_each()
         assert len(served) == RANKS - 1 and all(served.values()), served
 
         joiner = group.engine(RANKS - 1)  # scale back up: the rank's engine started again joins
-        group.wait_for_log(joiner, f"expert-parallel rank {RANKS - 1} is rank {RANKS - 1} of {RANKS}", 120)
+        await group.logged(joiner, f"expert-parallel rank {RANKS - 1} is rank {RANKS - 1} of {RANKS}", 120)
         await group.client.wait_for_engines(RANKS, timeout=60)
         served = await group.served_by_each()
         assert len(served) == RANKS and all(served.values()), served
