@@ -50,7 +50,7 @@ class CoreHarness:
     def engine(self, identity: bytes, group: int | None = None, capacity: int = 8, **info: Any) -> str:
         """Register an engine; returns its engine id."""
         self.send(identity, Header.HELLO, Hello(role="engine", engine_group=group, capacity=capacity,
-                                                info={"kv_blocks_total": 64, **info}, protocol=2))
+                                                info={"kv_blocks_total": 64, **info}, protocol=PROTOCOL_VERSION))
         ack = self.take(identity, Header.HELLO_ACK)[-1]
         return ack.engine_id
 

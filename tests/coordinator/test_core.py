@@ -7,6 +7,7 @@ import msgspec
 from megatron_serve.wire.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
                                      Status, RequestDelta, Submit, WireImage)
 from megatron_serve.multimodal import PromptImage
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import ErrorCode, Header
 
 from .core_harness import CoreHarness
@@ -193,7 +194,8 @@ def test_a_control_id_stands_for_one_verb_with_its_arguments():
 def test_a_group_held_by_a_live_engine_is_refused_and_one_held_by_a_gone_engine_is_taken_over():
     h = CoreHarness()
     first = h.engine(E1, group=0)
-    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0}, type=_hello()))
+    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0, "protocol": PROTOCOL_VERSION},
+                                                 type=_hello()))
     assert h.take(E2, Header.ERROR)[0].code == "group_in_use"
     h.gone.add(E1)  # its process restarted: the probe finds the old connection gone
     second = h.engine(E2, group=0)
@@ -205,7 +207,8 @@ def test_a_probe_reaches_registered_peers_only():
     a refused peer's live connection may be named, and must be told nothing (it got a heartbeat)."""
     h = CoreHarness()
     h.engine(E1, group=0)
-    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0}, type=_hello()))
+    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0, "protocol": PROTOCOL_VERSION},
+                                                 type=_hello()))
     assert h.take(E2, Header.ERROR)[0].code == "group_in_use"
     h.core.probe(E2)
     h.core.probe(E1)

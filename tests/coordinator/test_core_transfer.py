@@ -11,6 +11,7 @@ import msgspec
 
 from megatron_serve.wire.messages import (Control, ControlAck, Hello, LoraPush, PieceSpec, Refit, Rendezvous, Submit,
                                          TensorSpec)
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -122,7 +123,7 @@ def test_an_engine_that_joins_without_the_trainers_weights_gets_no_requests_unti
     for peer in (E1, E2):
         h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="u#0", state="RUNNING"))
     h.send(E3, Header.HELLO, Hello(
-        role="engine", engine_group=5, capacity=8, info={"kv_blocks_total": 64, "epoch": 0}, protocol=2))
+        role="engine", engine_group=5, capacity=8, info={"kv_blocks_total": 64, "epoch": 0}, protocol=PROTOCOL_VERSION))
     hello_ack = h.take(E3, Header.HELLO_ACK)[0]
     assert hello_ack.refit is None  # nothing to load from: it waits for the next refit
     e3 = hello_ack.engine_id

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_serve.coordinator.routing import RoundRobin
 from megatron_serve.wire.messages import Hello, Status
+from megatron_serve.wire.handshake import ENGINE_PROTOCOL, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -32,12 +33,12 @@ def test_the_ranks_of_one_group_register_side_by_side_and_a_held_rank_is_refused
     assert h.engine(E1, group=0, **rank(1)) == "e1-g0-dp1"
     assert h.engine(E0, group=0, **rank(0)) == "e2-g0-dp0"
     assert engines(h) == [("e2-g0-dp0", 0), ("e1-g0-dp1", 0)]  # by group, then rank
-    h.send(E2, Header.HELLO, Hello(role="engine", engine_group=0, info=rank(1), protocol=2))
+    h.send(E2, Header.HELLO, Hello(role="engine", engine_group=0, info=rank(1), protocol=PROTOCOL_VERSION))
     [error] = h.take(E2, Header.ERROR)
     assert error.code == "group_in_use" and "engine group 0 data-parallel rank 1 is held by live engine e1-g0-dp1" \
         in error.message
     # the control: without data-parallel ranks, one engine holds a group
-    h.send(E2, Header.HELLO, Hello(role="engine", engine_group=0, protocol=2))
+    h.send(E2, Header.HELLO, Hello(role="engine", engine_group=0, protocol=PROTOCOL_VERSION))
     assert h.take(E2, Header.ERROR)[0].code == "group_in_use"
 
 
@@ -64,7 +65,7 @@ def test_an_engine_without_a_group_takes_the_first_group_whose_rank_is_free():
                          ids=["out-of-range", "text", "bool", "size-only"])
 def test_a_bad_rank_is_refused_naming_the_field(info):
     h = CoreHarness()
-    h.send(E0, Header.HELLO, Hello(role="engine", engine_group=0, info=info, protocol=2))
+    h.send(E0, Header.HELLO, Hello(role="engine", engine_group=0, info=info, protocol=PROTOCOL_VERSION))
     [error] = h.take(E0, Header.ERROR)
     assert error.code == "invalid_request" and "data_parallel_rank" in error.message
     assert engines(h) == []
@@ -81,3 +82,17 @@ def test_round_robin_cycles_over_every_rank_of_a_group():
     ranks = [View("a", 0, rank(0)), View("b", 0, rank(1)), View("c", 1, rank(0)), View("d", 1, rank(1))]
     policy = RoundRobin()
     assert [policy.select(None, ranks).engine_id for _ in range(5)] == ["a", "b", "c", "d", "a"]
+
+
+@pytest.mark.parametrize("protocol", [2, ENGINE_PROTOCOL - 1])
+def test_an_engine_below_the_engine_protocol_is_refused_naming_both_versions(protocol):
+    """An older engine would send each finished request's record inside its last delta, where the coordinator no
+    longer reads it: it is refused by name, and never registered."""
+    h = CoreHarness()
+    h.send(E0, Header.HELLO, Hello(role="engine", engine_group=0, protocol=protocol))
+    [error] = h.take(E0, Header.ERROR)
+    assert error.code == "unsupported", error
+    assert f"engine speaks wire protocol {protocol}" in error.message
+    assert f"needs {ENGINE_PROTOCOL} or later" in error.message
+    assert engines(h) == []
+    assert h.engine(E1, group=0) == "e1-g0"  # the control: an engine of this release registers

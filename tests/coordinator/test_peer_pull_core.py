@@ -9,6 +9,7 @@ of ranks, no donor with a store) gets no ``peer`` and no requests until the next
 from __future__ import annotations
 
 from megatron_serve.wire.messages import Hello, PeerShare
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -18,7 +19,7 @@ TRAINER = "rendezvous://10.0.0.9:4000"
 
 def hello(harness: CoreHarness, identity: bytes, group: int, **info) -> object:
     harness.send(identity, Header.HELLO, Hello(role="engine", engine_group=group, capacity=8,
-                                               info={"kv_blocks_total": 64, "model": "/m", **info}, protocol=2))
+                                               info={"kv_blocks_total": 64, "model": "/m", **info}, protocol=PROTOCOL_VERSION))
     return harness.take(identity, Header.HELLO_ACK)[-1]
 
 

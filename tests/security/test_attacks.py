@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from megatron_serve.client.coordinator_client import InferenceClient, Unauthorized
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import FleetSecret, make_secret
@@ -122,7 +123,8 @@ def test_the_run_keeps_its_secret_to_its_user_and_its_coordinator_on_loopback(st
 async def test_rogue_engines_receive_no_request_and_no_heartbeat(stack):
     peers = rogues(stack)
     for peer in peers.values():
-        peer.send(Header.HELLO, {"role": "engine", "capacity": 100_000, "info": {"kv_blocks_total": 1 << 20}})
+        peer.send(Header.HELLO, {"role": "engine", "capacity": 100_000, "info": {"kv_blocks_total": 1 << 20},
+                                    "protocol": PROTOCOL_VERSION})
         peer.send(Header.HEARTBEAT, {"running": 0, "waiting": 0, "kv_blocks_free": 1 << 20})
     async with httpx.AsyncClient(base_url=stack.url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"},
                                  limits=httpx.Limits(max_connections=40)) as http:
@@ -228,7 +230,8 @@ async def test_an_insider_cannot_take_over_another_peers_identity(stack):
         assert refusal.header is Header.ERROR and refusal.body.code == "unauthorized"
         engine_id = (await control.status())["engines"][0]["id"]
         impostor = RawPeer(stack.address, stack.secret)
-        impostor.send(Header.HELLO, {"role": "engine", "engine_group": 0, "capacity": 1000})
+        impostor.send(Header.HELLO, {"role": "engine", "engine_group": 0, "capacity": 1000,
+                                  "protocol": PROTOCOL_VERSION})
         refusal = impostor.recv(30_000)
         assert refusal.header is Header.ERROR and refusal.body.code == "group_in_use"
         impostor.send(Header.ENGINE_STEP, {"engine_id": engine_id, "outputs": [{

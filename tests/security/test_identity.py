@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from megatron_serve.coordinator import Coordinator
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.security import PeerKeys, make_secret
 
@@ -89,7 +90,7 @@ def test_a_routing_id_taken_over_by_another_connection_inherits_nothing(driven):
 
 def test_a_hello_counts_only_on_the_connection_whose_key_it_proves(driven):
     legit_keys = PeerKeys()
-    recorded = {"role": "engine", "capacity": 1000,
+    recorded = {"role": "engine", "capacity": 1000, "protocol": PROTOCOL_VERSION,
                 "proof": driven.coordinator.core.secret.proof(legit_keys.public)}  # a HELLO seen on the wire
     thief = RawPeer(driven.address, driven.secret)  # even with the secret: another connection, another key
     try:

@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Protocol
 
 from ..wire.lifecycle import FleetState
-from ..wire.handshake import PROTOCOL_VERSION, Error, Hello, HelloAck
+from ..wire.handshake import ENGINE_PROTOCOL, PROTOCOL_VERSION, Error, Hello, HelloAck
 from ..wire.rendezvous import RENDEZVOUS_SCHEME, PeerShare
 from ..wire.protocol import ErrorCode, Header, Role
 from .core_view import CoreView
@@ -82,6 +82,13 @@ def _ack_again(core: CoreView, identity: bytes, known: tuple[Role, str]) -> None
 
 
 def _register_engine(core: Registering, identity: bytes, body: Hello, now: float, probed: bool) -> None:
+    if body.protocol < ENGINE_PROTOCOL:  # its final records would come inside its deltas, where none is read now
+        message = (f"engine speaks wire protocol {body.protocol}; this coordinator needs {ENGINE_PROTOCOL} or later "
+                   f"(an engine sends its finished requests' records beside the step's deltas): run engines of the "
+                   f"coordinator's release")
+        core.drop(core.peer_name(identity), message)
+        core.send(identity, Header.ERROR, Error(code=ErrorCode.UNSUPPORTED.value, message=message))
+        return
     info = dict(body.info or {})
     rank = data_parallel_rank(info)
     if isinstance(rank, str):

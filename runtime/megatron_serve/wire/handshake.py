@@ -17,9 +17,9 @@ catch-ups' ``starts`` and read them as new tokens, and a coordinator below 6 wou
 client no longer reads; each refuses the other with a message naming both versions. Version 7 adds ``SUBMIT``'s
 ``placement``: a session and a data-parallel rank (:mod:`.placement` says what an older coordinator gets).
 Version 8 moves a finished request's final record out of its ``ENGINE_STEP`` delta into the step's ``records``
-(:class:`~megatron_serve.wire.deltas.EngineStep`), so that the coordinator forwards both as the engine's bytes; an
-engine and its coordinator come from one release (an older engine's records go unread: its requests end as the
-coordinator's mirror has them).
+(:class:`~megatron_serve.wire.deltas.EngineStep`), so that the coordinator forwards both as the engine's bytes; a
+coordinator refuses an engine below 8 (:data:`ENGINE_PROTOCOL`) with a message naming both versions, since the
+records it sent would go unread.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from .body import Body, ClientId
 
 #: The protocol version this code speaks.
 PROTOCOL_VERSION = 8
+#: The oldest protocol a coordinator registers an engine of: 8 moved a finished request's record out of its last
+#: delta (a record there would be lost), so an older engine is refused by name.
+ENGINE_PROTOCOL = 8
 #: The lowest version whose peers may submit to each other: from 6 on every token travels in ``STEP_TOKENS``
 #: (and from 4 on the client makes the text).
 SUBMIT_PROTOCOL = 6
