@@ -185,6 +185,8 @@ class TensorParallelRunner(ModelRunner):
         return GroupHandoff(self.channel, self._broadcast)
 
     def on_refit(self, source: WeightSource) -> None:
+        if self.survival is not None:
+            self.survival.checkpoint_current = False  # experts read back from the checkpoint would now be stale
         self._broadcast("refit", source)
 
     def broadcast_lora_slot(self, slot: int, adapter: LoraAdapter) -> None:

@@ -68,6 +68,8 @@ class GroupSurvival:
         self.blocks = [(name, m) for name, m in model.named_modules()
                        if isinstance(m, SparseMoeBlock) and m.dispatcher is not None]
         self.watch: ChangeWatch | None = None
+        # the weights are still the checkpoint's: experts can be read back from it (a refit ends that)
+        self.checkpoint_current = True
         if not self.joining:
             self._formed()
 
@@ -118,7 +120,7 @@ class GroupSurvival:
         lost = sorted(set(range(ranks)) - set(new.members))
         self._serve_over(new.rank, len(new.members), f"the {len(new.members)} ranks left",
                          lambda: recover_experts(self.model, self.blocks, ordered, self.model_dir, ranks, lost, rank,
-                                                 dist.group.WORLD))
+                                                 dist.group.WORLD, self.checkpoint_current))
         lost_ranks = [self.members[r] for r in lost]
         self.members = [self.members[r] for r in new.members]
         logger.warning("expert-parallel rank %d is rank %d of the %d left (lost: %s); it resumes with %s", self.dp_rank,
@@ -167,7 +169,8 @@ class GroupSurvival:
                                 timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         self._serve_over(self.rank, len(self.members), f"generation {plan.generation}'s ranks {plan.members}",
                          lambda: place_for_members(self.model, self.blocks, ordered, self.model_dir, self.size,
-                                                   self.redundant, self.members, self.dp_rank, dist.group.WORLD))
+                                                   self.redundant, self.members, self.dp_rank, dist.group.WORLD,
+                                                   self.checkpoint_current))
         logger.warning("expert-parallel rank %d is rank %d of %d in generation %d (ranks %s)", self.dp_rank, self.rank,
                        len(self.members), self.generation, self.members)
         self._formed()
