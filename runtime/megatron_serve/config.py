@@ -431,10 +431,10 @@ class InferenceConfig:
     def elastic_expert_group(self) -> bool:
         """Whether this engine's expert-parallel group serves on without a lost data-parallel rank and takes ranks in
         and out while it runs (``engine.group.survival``): each data-parallel rank one process on CPU (gloo,
-        ``--tensor-parallel 1``, no stages), three ranks or more (two leave one alone); with EPLB or without (its
-        balancer is rebuilt over each new group). Here, torch-free: ``run``'s supervisor reads it too (it restarts a
+        ``--tensor-parallel 1``, no stages), two ranks or more (one left alone holds every expert); with EPLB or
+        without (its balancer is rebuilt over each new group). Here, torch-free: ``run``'s supervisor reads it too (it restarts a
         lost rank alone there, instead of the gang)."""
-        return (self.data_parallel_size > 2 and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
+        return (self.data_parallel_size > 1 and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
                 and str(self.device).split(":")[0] == "cpu")
 
     @property

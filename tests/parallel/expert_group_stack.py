@@ -35,6 +35,7 @@ class ExpertGroup:
     tokens: int
     client: Any = None
     extra: tuple[str, ...] = ()
+    ranks: int = RANKS
     rendezvous: dict[str, str] = field(default_factory=dict)
     engines: list[subprocess.Popen] = field(default_factory=list)
     quiet: list[Streamed] = field(default_factory=list)
@@ -42,7 +43,7 @@ class ExpertGroup:
     def engine(self, rank: int) -> subprocess.Popen:
         """Data-parallel rank ``rank``'s engine, at the group's rendezvous (a restart joins the running group)."""
         return self.children.engine(self.model_dir, self.port, "--dtype", "float32", "--batch-invariant",
-                                    "--data-parallel-size", str(RANKS), "--data-parallel-rank", str(rank),
+                                    "--data-parallel-size", str(self.ranks), "--data-parallel-rank", str(rank),
                                     "--enable-expert-parallel", *self.extra, env=self.rendezvous)
 
     async def in_flight(self) -> list[asyncio.Task]:
@@ -68,7 +69,7 @@ class ExpertGroup:
         self.engines[rank].kill()
         await self.completed(tasks)
         assert [engine.pid for engine in survivors if engine.poll() is None] == pids  # none restarted, none gone
-        for d, engine in zip([d for d in range(RANKS) if d != rank], survivors):
+        for d, engine in zip([d for d in range(self.ranks) if d != rank], survivors):
             log = self.children.log_of(engine)
             assert f"expert-parallel rank {d} is rank" in log, log[-3000:]
         return survivors
@@ -93,22 +94,22 @@ class ExpertGroup:
 
 
 @contextlib.asynccontextmanager
-async def expert_group(tmp_path: Path, tokens: int, model_dir: str | None = None, extra: tuple[str, ...] = ()
-                       ) -> AsyncIterator[ExpertGroup]:
+async def expert_group(tmp_path: Path, tokens: int, model_dir: str | None = None, extra: tuple[str, ...] = (),
+                       ranks: int = RANKS) -> AsyncIterator[ExpertGroup]:
     """The stack started and its uninterrupted streams taken (``tokens`` each); every process killed after.
     ``model_dir``: the model (the tiny Qwen3-MoE where None); ``extra``: more options of every engine."""
     from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
 
     if model_dir is None:
         model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
-    group = ExpertGroup(Children(tmp_path), model_dir, free_port(), tokens, extra=extra,
+    group = ExpertGroup(Children(tmp_path), model_dir, free_port(), tokens, extra=extra, ranks=ranks,
                         rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     try:
         group.children.coordinator(model_dir, group.port)
-        group.engines = [group.engine(rank) for rank in range(RANKS)]
+        group.engines = [group.engine(rank) for rank in range(ranks)]
         group.client = InferenceClient(f"tcp://127.0.0.1:{group.port}", token=group.children.secret)
         await group.client.start(timeout=60)
-        await group.client.wait_for_engines(RANKS, timeout=300)
+        await group.client.wait_for_engines(ranks, timeout=300)
         group.quiet = await asyncio.gather(*(client_stream(group.client, p, tokens) for p in PROMPTS))
         assert all(q.completed for q in group.quiet), [q.error for q in group.quiet]
         yield group

@@ -118,8 +118,6 @@ def regroup(store: dist.Store, generation: int, rank: int, world_size: int, prog
     if rank not in members:
         raise EngineGroupLost(f"expert-parallel rank {rank} registered after the ranks left sealed generation "
                               f"{generation} without it ({members})")
-    if len(members) < 2:
-        raise EngineGroupLost(f"expert-parallel rank {rank} is the only rank left of {world_size}")
     store.set(f"{prefix}progress/{rank}", json.dumps(asdict(progress)))
     keys = [f"{prefix}progress/{member}" for member in members]
     try:

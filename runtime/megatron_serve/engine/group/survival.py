@@ -18,8 +18,8 @@ swapped in on some before the loss), and the balancer starts again over the new 
 window and a step count from zero on every member alike (:meth:`~megatron_serve.engine.expert_balancer.ExpertBalancer.
 regroup`).
 
-Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has at least
-three ranks (two leave one alone) (``InferenceConfig.elastic_expert_group``); elsewhere a loss still ends the group
+Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has two ranks
+or more (one left alone holds every expert) (``InferenceConfig.elastic_expert_group``); elsewhere a loss still ends the group
 (worker ranks' groups and NCCL communicators are not rebuilt here).
 """
 
