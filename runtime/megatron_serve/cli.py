@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("megatron_serve.commands.server", "run the OpenAI-compatible HTTP server in front of a coordinator"),
     "run": ("megatron_serve.commands.run", "coordinator + engines + HTTP server on this machine, as one command"),
     "serve": ("megatron_serve.commands.serve", "`serve MODEL [options]`, as in vLLM: the same as `run --model MODEL`"),
+    "rendezvous-store": ("megatron_serve.commands.rendezvous_store", "serve an elastic expert group's rendezvous store "
+                                                                     "in a process of its own"),
     "download": ("megatron_serve.commands.download", "fetch a Hugging Face Hub model into the local cache or a "
                                                      "directory"),
     "operator": ("megatron_operator.commands.operator", "run the Kubernetes operator (options pass through to kopf run)"),

@@ -28,6 +28,7 @@ REQUIRED = {
     "control": ["status"],
     "server": ["--model", "/m", "--coordinator", "tcp://h:5555"],
     "run": ["--model", "/m"],
+    "rendezvous-store": [],
     "serve": ["/m"],
     "download": ["org/name"],
     "operator": [],

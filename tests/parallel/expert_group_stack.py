@@ -95,9 +95,10 @@ class ExpertGroup:
 
 @contextlib.asynccontextmanager
 async def expert_group(tmp_path: Path, tokens: int, model_dir: str | None = None, extra: tuple[str, ...] = (),
-                       ranks: int = RANKS) -> AsyncIterator[ExpertGroup]:
+                       ranks: int = RANKS, own_store: bool = False) -> AsyncIterator[ExpertGroup]:
     """The stack started and its uninterrupted streams taken (``tokens`` each); every process killed after.
-    ``model_dir``: the model (the tiny Qwen3-MoE where None); ``extra``: more options of every engine."""
+    ``model_dir``: the model (the tiny Qwen3-MoE where None); ``extra``: more options of every engine; ``own_store``:
+    the group meets in a ``rendezvous-store`` process (no engine hosts it: rank 0 is a rank like any other)."""
     from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
 
     if model_dir is None:
@@ -105,11 +106,14 @@ async def expert_group(tmp_path: Path, tokens: int, model_dir: str | None = None
     group = ExpertGroup(Children(tmp_path), model_dir, free_port(), tokens, extra=extra, ranks=ranks,
                         rendezvous={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     try:
+        if own_store:
+            group.children.spawn(["rendezvous-store", "--port", group.rendezvous["MASTER_PORT"]], "store")
+            group.rendezvous["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         group.children.coordinator(model_dir, group.port)
         group.engines = [group.engine(rank) for rank in range(ranks)]
         group.client = InferenceClient(f"tcp://127.0.0.1:{group.port}", token=group.children.secret)
         await group.client.start(timeout=60)
-        await group.client.wait_for_engines(ranks, timeout=300)
+        await group.children.registered(group.client, ranks)  # fails at once if an engine exits
         group.quiet = await asyncio.gather(*(client_stream(group.client, p, tokens) for p in PROMPTS))
         assert all(q.completed for q in group.quiet), [q.error for q in group.quiet]
         yield group

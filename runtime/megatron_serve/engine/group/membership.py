@@ -2,9 +2,9 @@
 that joins, ranks that leave), as records in the group's rendezvous store (issue 63's "resizing an EP group").
 
 A loss is found by a failed collective (:mod:`.regroup`); a planned change is asked for in the store and taken at a
-step boundary the members agree on. The leader (the group's rank 0, whose process hosts the store) publishes the
-membership of each generation (:data:`MEMBERS`: its number, the members' data-parallel ranks, the group's full size),
-so that an engine started for the group after it formed, the lost rank's restart, knows it must join rather than
+step boundary the members agree on. The leader (the group's rank 0: its lowest member, in each generation)
+publishes the membership of each generation (:data:`MEMBERS`: its number, the members' data-parallel ranks, the
+group's full size), so that an engine started for the group after it formed, the lost rank's restart, knows it must join rather than
 meet the others at the start (:func:`running`). Whoever asks for a change (a joiner, :func:`ask_to_join`; the
 ``scale-ep`` verb, :func:`want_size`) bumps one counter (:data:`CHANGES`), the one key the leader reads per turn
 (:class:`ChangeWatch`, at most every :data:`CHECK_S`); when it moved, the leader's turn agreement says so and every

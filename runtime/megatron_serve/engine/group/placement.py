@@ -125,8 +125,7 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
     try:
         if store is None:  # rank 0 binds the port (at once or not at all), the others connect until the time-out;
             # torchrun's convention: an agent that hosts the store already says so, and rank 0 connects to it too
-            hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = client_store(placement, master=rank == 0 and not hosted)
+            store = client_store(placement, master=rank == 0 and not store_hosted_elsewhere())
         dist.init_process_group(backend, store=store, rank=rank, world_size=placement.world_size, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to fix
         waited = time.monotonic() - began
@@ -147,6 +146,13 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
     stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
                            stage=stage, gathered_rows=config.gathers_rows), PlanChannel(plans))
+
+
+def store_hosted_elsewhere() -> bool:
+    """Whether the group's store is hosted by a process other than rank 0's (torchrun's agent, or ``megatron-serve
+    rendezvous-store``), as torchrun says so (``TORCHELASTIC_USE_AGENT_STORE``): rank 0 connects to it too, and an
+    elastic group's rank 0 is then a rank like any other, whose restart joins the running group."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def client_store(placement: Placement, master: bool = False) -> dist.TCPStore:

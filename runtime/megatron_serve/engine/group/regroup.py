@@ -19,8 +19,10 @@ their old order, over a prefix of the same store (``regroup/<generation>/group/`
 ``wait_s``, far under the collective timeout; a member that cannot agree raises
 :class:`~megatron_serve.errors.EngineGroupLost` and its engine exits, as on any loss.
 
-The store lives in the process that hosted the rendezvous (data-parallel rank 0's engine): the loss of that process is
-a loss of the store, and the group exits as before.
+The store lives in the process that hosts the rendezvous: data-parallel rank 0's engine by default, whose loss is a loss
+of the store (the group exits as before), or a process of its own (``megatron-serve rendezvous-store``, as ``run``
+starts for an elastic group), which no engine's loss takes: then rank 0 is lost like any other, and the lowest member
+left leads (a generation's leader is its rank 0).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from .channel import PlanChannel
 from .follower import run_worker
 from .membership import running
 from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, client_store, data_parallel_placement,
-                        host_store, join_group, joiner_groups, placement_for, rank_device, reserve_rendezvous)
+                        host_store, join_group, joiner_groups, placement_for, rank_device, reserve_rendezvous,
+                        store_hosted_elsewhere)
 
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
 REIMPORTED_MAIN_EXIT = 3
@@ -202,7 +203,8 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
     device = rank_device(0, config)
     try:
         store = host_store(listener, placement) if listener is not None else None
-        if store is None and dp and config.elastic_expert_group and not placement.hosts_rank_zero:
+        if store is None and dp and config.elastic_expert_group and (not placement.hosts_rank_zero
+                                                                     or store_hosted_elsewhere()):
             store = client_store(placement)
             if running(store) is not None:  # started for a group that formed without it: it joins at its first turn
                 tp, channel = joiner_groups(config, store)
