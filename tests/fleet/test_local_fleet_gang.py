@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 STANDIN = textwrap.dedent("""\
     #!{python}
     import json, os, subprocess, sys, time
+    from megatron_serve.fleet.argv import TOKEN_ENV
     from megatron_serve.fleet.lifeline import hold_lifeline
     hold_lifeline()
     args = sys.argv[3:]  # after "-m megatron_serve.cli"
@@ -36,6 +37,7 @@ STANDIN = textwrap.dedent("""\
         worker = proc.pid
     with open({record!r}, "a") as f:
         f.write(json.dumps({{"role": args[0], "pid": os.getpid(), "args": args, "worker": worker,
+                             "token": bool(os.environ.get(TOKEN_ENV)),
                              "rendezvous": [os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
                                                                          "NPROC_PER_NODE")]}}) + "\\n")
     if args[0] == "coordinator":
@@ -112,11 +114,12 @@ def test_a_fleet_refuses_data_parallel_attention_without_expert_parallelism(tmp_
 
 
 def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
-    """``run --engines 2 -dp 2 --enable-expert-parallel``: two gangs, each at its own rendezvous; a rank of group 1
-    dying restarts group 1 only."""
+    """``run --engines 2 -dp 2 -tp 2 --enable-expert-parallel``: two gangs, each at its own rendezvous; a rank of
+    group 1 dying restarts group 1 only (not elastic groups: those restart a lost rank alone)."""
     python, engines = standin
-    fleet = LocalFleet(tmp_path / "model", 2, InferenceConfig(enable_expert_parallel=True), python=str(python),
-                       log_dir=tmp_path / "logs", data_parallel_size=2)
+    config = InferenceConfig(enable_expert_parallel=True, tensor_parallel_size=2)
+    fleet = LocalFleet(tmp_path / "model", 2, config, python=str(python), log_dir=tmp_path / "logs",
+                       data_parallel_size=2)
     assert (fleet.groups, fleet.num_engines) == (2, 4)
     try:
         fleet.start(timeout=60)
@@ -126,7 +129,7 @@ def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
                    for ranks in by_group.values())
         ports = {g: {s["rendezvous"][1] for s in ranks} for g, ranks in by_group.items()}
         assert len(ports["0"]) == len(ports["1"]) == 1 and ports["0"] != ports["1"]
-        assert all(s["rendezvous"][2:] == ["2", "1"] for s in engines())  # WORLD_SIZE, NPROC_PER_NODE
+        assert all(s["rendezvous"][2:] == ["4", "2"] for s in engines())  # WORLD_SIZE, NPROC_PER_NODE
         fleet.supervise()
         os.kill(by_group["1"][0]["pid"], signal.SIGKILL)
         wait_until(lambda: len(engines()) == 6, 60, "group 1 started again")
@@ -138,33 +141,42 @@ def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
                                       "engine 3 (group 1, data-parallel rank 1)"]
 
 
-def test_an_elastic_group_restarts_a_lost_rank_alone_on_its_rendezvous_and_the_gang_when_rank_0_is_lost(
-        standin, tmp_path, caplog):
-    """``run -dp 3 --enable-expert-parallel`` on CPU (``InferenceConfig.elastic_expert_group``): the ranks left serve
-    on and the lost one's restart joins them, so only it starts again, at the same rendezvous; rank 0 hosts the
-    store they meet in, so its loss still restarts the gang on a fresh one."""
-    python, engines = standin
+def test_an_elastic_group_meets_in_a_store_of_its_own_restarts_any_lost_rank_alone_and_the_gang_with_the_store(
+        tmp_path, caplog):
+    """``run -dp 3 --enable-expert-parallel`` on CPU (``InferenceConfig.elastic_expert_group``): the ranks meet in a
+    ``rendezvous-store`` process (bound at their rendezvous, started before them, given no fleet secret), so no rank
+    hosts it: the ranks left serve on and a lost one's restart joins them, rank 0's included, so only it starts again,
+    at the same rendezvous; the store's loss restarts the gang and a fresh store on a fresh one."""
+    python, starts = install_standin(tmp_path, STANDIN)
+    engines = lambda: [s for s in starts() if s["role"] == "engine"]  # noqa: E731
+    stores = lambda: [s for s in starts() if s["role"] == "rendezvous-store"]  # noqa: E731
     caplog.set_level(logging.WARNING, "megatron_serve.local_fleet")
     fleet = LocalFleet(tmp_path / "model", 1, InferenceConfig(enable_expert_parallel=True), python=str(python),
                        log_dir=tmp_path / "logs", data_parallel_size=3)
     try:
         fleet.start(timeout=60)
-        wait_until(lambda: len(engines()) == 3, 60, "the three ranks")
+        wait_until(lambda: len(engines()) == 3 and len(stores()) == 1, 60, "the store and the three ranks")
         first = {flag(s["args"], "--data-parallel-rank"): s for s in engines()}
+        (store,) = stores()
+        assert [flag(store["args"], "--host"), flag(store["args"], "--port")] == first["0"]["rendezvous"][:2]
+        assert not store["token"] and all(s["token"] for s in engines())
         fleet.supervise()
-        os.kill(first["1"]["pid"], signal.SIGKILL)
-        wait_until(lambda: len(engines()) == 4, 60, "rank 1 started again")
-        (restarted,) = engines()[3:]
-        assert flag(restarted["args"], "--data-parallel-rank") == "1"
-        assert restarted["rendezvous"] == first["1"]["rendezvous"]  # where the ranks left still meet
-        assert all(alive(first[rank]["pid"]) for rank in ("0", "2"))  # they serve on
-        os.kill(first["0"]["pid"], signal.SIGKILL)
-        wait_until(lambda: len(engines()) == 7, 60, "the gang started again")
-        again = engines()[4:]
+        for lost, count in (("1", 4), ("0", 5)):
+            os.kill(first[lost]["pid"], signal.SIGKILL)
+            wait_until(lambda: len(engines()) == count, 60, f"rank {lost} started again")
+            restarted = engines()[count - 1]
+            assert flag(restarted["args"], "--data-parallel-rank") == lost
+            assert restarted["rendezvous"] == first[lost]["rendezvous"]  # where the ranks left still meet
+            assert all(alive(first[rank]["pid"]) for rank in ("0", "1", "2") if rank != lost)  # they serve on
+            assert alive(store["pid"]) and len(stores()) == 1
+            first[lost] = restarted
+        os.kill(store["pid"], signal.SIGKILL)
+        wait_until(lambda: len(engines()) == 8 and len(stores()) == 2, 60, "the gang and a fresh store started again")
+        again = engines()[5:]
         assert sorted(flag(s["args"], "--data-parallel-rank") for s in again) == ["0", "1", "2"]
-        assert again[0]["rendezvous"][1] != first["0"]["rendezvous"][1]
+        assert again[0]["rendezvous"][1] == flag(stores()[1]["args"], "--port") != first["0"]["rendezvous"][1]
     finally:
         fleet.kill()
-    assert any("engine 1 (group 0, data-parallel rank 1) died (killed by SIGKILL" in r.getMessage()
+    assert any("engine 0 (group 0, data-parallel rank 0) died (killed by SIGKILL" in r.getMessage()
                and "alone: it joins the ranks that serve on" in r.getMessage() for r in caplog.records)
-    assert any("group 0 lost engine 0 (group 0, data-parallel rank 0)" in r.getMessage() for r in caplog.records)
+    assert any("group 0 lost rendezvous store (group 0): killed by SIGKILL" in r.getMessage() for r in caplog.records)

@@ -221,6 +221,7 @@ class LocalFleet:
         self._coordinator: Child | None = None
         self._engines: list[Child] = []
         self._gangs: dict[int, Gang] = {}  # engine group -> its gang (data_parallel_size > 1)
+        self._stores: list[Child] = []  # the elastic gangs' rendezvous stores, each a process of its own
         self.address: str | None = None
         self._lifeline = Lifeline()
         self._supervisor = Supervisor(self._lifeline)
@@ -309,7 +310,9 @@ class LocalFleet:
 
     def add_gang(self, group: int) -> list[subprocess.Popen]:
         """Start the ``data_parallel_size`` engine processes of group ``group``, one per attention rank, at a
-        rendezvous port of their own (a fresh one at each restart of the gang)."""
+        rendezvous port of their own (a fresh one at each restart of the gang). An elastic expert group's ranks meet
+        in a ``rendezvous-store`` process of their own (bound where rank 0's store would be, given no secret), so
+        that any rank's loss, rank 0's included, leaves the others serving and its restart joins them."""
         if self.address is None:
             raise RuntimeError("start() the fleet first")
         size = self.data_parallel_size
@@ -325,14 +328,25 @@ class LocalFleet:
                                  self._env(gpus)))
             self._engines.append(members[-1])
 
+        config = dataclasses.replace(self.inference_config or InferenceConfig(), data_parallel_size=size)
+        store = None
+        if config.elastic_expert_group:
+            env = dict(os.environ)
+            env.pop(TOKEN_ENV, None)
+            store = Child(f"rendezvous store (group {group})", [], self.log_dir / f"rendezvous-store-{group}.log", env)
+            self._stores.append(store)
+            for child in members:  # rank 0 connects to it as the others do
+                child.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+
         def renew() -> None:
             port = str(free_port(self.rendezvous_host))
             for child in members:
                 child.env.update(MASTER_ADDR=self.rendezvous_host, MASTER_PORT=port,
                                  WORLD_SIZE=str(self.ranks_per_engine * size), NPROC_PER_NODE=str(self.ranks_per_engine))
+            if store is not None:
+                store.argv = self._command(["rendezvous-store", "--host", self.rendezvous_host, "--port", port])
 
-        config = dataclasses.replace(self.inference_config or InferenceConfig(), data_parallel_size=size)
-        self._gangs[group] = Gang(f"group {group}", members, renew, config.elastic_expert_group)
+        self._gangs[group] = Gang(f"group {group}", members, renew, config.elastic_expert_group, store)
         return self._supervisor.start_gang(self._gangs[group])
 
     @property
@@ -378,6 +392,8 @@ class LocalFleet:
         deadline = time.monotonic() + timeout
         for proc in self.engines:
             self._end(proc, deadline, wait_first=stop_acknowledged)
+        for proc in [store.proc for store in self._stores if store.proc is not None]:  # once no rank needs them
+            self._end(proc, deadline, wait_first=False)
         if self.coordinator is not None:
             self._end(self.coordinator, time.monotonic() + 10.0, wait_first=False)
         self._release()
@@ -404,7 +420,7 @@ class LocalFleet:
     def kill(self) -> None:
         """SIGKILL every child at once (test teardown, or after a failed start)."""
         self._supervisor.restart_dead(False)
-        for proc in [*self.engines, self.coordinator]:
+        for proc in [*self.engines, *(store.proc for store in self._stores), self.coordinator]:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()

@@ -16,7 +16,10 @@ the loss, e.g. one stuck in a step, would not be restarted at all), while proces
 still hold that port. A gang of an elastic expert group (``InferenceConfig.elastic_expert_group``: its ranks serve
 on without a lost one, and a rank's restart joins them in place, ``engine/group/membership.py``) restarts only the
 member it lost, as a child of its own, unless that member is the first, whose process hosts the rendezvous store
-the others meet in: then the gang restarts as above. Such a member that exits 0 (``scale-ep`` took it out) stays
+the others meet in: then the gang restarts as above. A gang with a store of its own (:attr:`Gang.store`, a
+``rendezvous-store`` process that no engine's loss takes) restarts its first member alone too; it restarts as a whole,
+with a fresh store, only when the store is lost or no member is left serving (a restart alone would find no group to
+join). Such a member that exits 0 (``scale-ep`` took it out) stays
 out until the group is wanted at a size above its rank again (:meth:`Supervisor.want_ranks`, told by ``run``, which
 reads the size in the coordinator's STATUS): then it starts again and joins, as a lost rank's restart does.
 
@@ -71,6 +74,7 @@ class Gang:
     members: list[Child]
     renew: Callable[[], None]
     elastic: bool = False  # members after the first serve on without a lost one, which restarts alone and joins
+    store: Child | None = None  # its rendezvous store's own process (started before the members): any member may go
     started: float = 0.0
     delay: float = 0.0
     restart_at: float | None = None
@@ -181,6 +185,10 @@ class Supervisor:
 
     def _start_gang(self, gang: Gang) -> list[subprocess.Popen]:
         gang.renew()
+        if gang.store is not None:  # a fresh store: the old one holds the old group's records
+            end_process_group(gang.store.proc)
+            gang.store.gang = gang  # restarted with its gang, never alone
+            self._start(gang.store)
         procs = []
         for child in gang.members:
             child.gang, child.retired = gang, False
@@ -249,15 +257,20 @@ class Supervisor:
                 logger.warning("%s exited normally (exit code 0): it is not restarted", child.name)
             elif code is not None:
                 dead.append((child, code))
+        store_code = None if gang.store is None or gang.store.proc is None else gang.store.proc.poll()
+        if store_code is not None:
+            dead.append((gang.store, store_code))
         if not dead:
             return
-        if gang.elastic and all(child is not gang.members[0] for child, _ in dead):
+        if gang.elastic and store_code is None and self._alone(gang, [child for child, _ in dead]):
             for child, code in dead:
                 end_process_group(child.proc)  # its tensor-parallel workers, if any
                 self._schedule(child, code, now, ", alone: it joins the ranks that serve on")
             return
         for child in gang.members:  # the peers (which exit on their own once a collective fails) and their workers
             end_process_group(child.proc)
+        if gang.store is not None:
+            end_process_group(gang.store.proc)
         uptime = now - gang.started
         gang.delay = self.initial if uptime >= self.stable or not gang.delay else min(gang.delay * 2, self.maximum)
         gang.restart_at = time.monotonic() + gang.delay
@@ -267,6 +280,13 @@ class Supervisor:
         logger.warning("%s lost %s (after %.0fs); every rank of it and their workers ended: restarting the gang "
                        "with a fresh rendezvous in %.1fs (restart %d)", gang.name, lost, uptime, gang.delay,
                        len(gang.members[0].causes))
+
+    @staticmethod
+    def _alone(gang: Gang, dead: list[Child]) -> bool:
+        """Whether an elastic gang's ``dead`` members restart alone and join the others: a member still serves, and
+        the rendezvous store outlived them (it has a process of its own, or the first member is not among them)."""
+        serving = any(child.proc is not None and child.proc.poll() is None for child in gang.members)
+        return serving and (gang.store is not None or gang.members[0] not in dead)
 
 
 def end_process_group(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
