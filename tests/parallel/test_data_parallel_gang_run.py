@@ -1,5 +1,6 @@
-"""``megatron-serve run --data-parallel-size 2 --enable-expert-parallel``: one group of two data-parallel attention
-ranks (two engine processes sharing the experts), shown rank by rank by ``control status``. A rank's engine SIGKILLed
+"""``megatron-serve run --data-parallel-size 2 --tensor-parallel 2 --enable-expert-parallel``: one group of two
+data-parallel attention ranks (two engine processes sharing the experts, each with a tensor-parallel worker: not an
+elastic group, which restarts a lost rank alone), shown rank by rank by ``control status``. A rank's engine SIGKILLed
 with streams in flight (rank 0, which also hosts the group's rendezvous): the other rank and every worker are ended,
 the gang starts again on a fresh rendezvous, the coordinator resubmits the gang's requests, and every stream ends
 with the text and tokens of an uninterrupted run (greedy, tiny Qwen3-MoE, float32: the checkpoint's dtype, and the
@@ -40,12 +41,13 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
     model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
                                 num_experts=16, num_experts_per_tok=4))
     logs = tmp_path / "logs"
-    stack = start_run(model, tmp_path / "run", "--data-parallel-size", "2", "--enable-expert-parallel", "--log-dir",
+    stack = start_run(model, tmp_path / "run", "--data-parallel-size", "2", "--tensor-parallel", "2",
+                      "--enable-expert-parallel", "--log-dir",
                       str(logs), engines=1)
     try:
         await stack.wait_engines(2, timeout=300)
         status = stack.control("status")
-        assert re.search(r"e\d+-g0-dp0 +0 .*tp1 ep2 dp0/2", status) and re.search(r"e\d+-g0-dp1 +0 .*tp1 ep2 dp1/2",
+        assert re.search(r"e\d+-g0-dp0 +0 .*tp2 ep4 dp0/2", status) and re.search(r"e\d+-g0-dp1 +0 .*tp2 ep4 dp1/2",
                                                                                   status), status
         ranks = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
         assert sorted(ranks) == [0, 1] and rendezvous(ranks[0]) == rendezvous(ranks[1])
