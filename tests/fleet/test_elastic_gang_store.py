@@ -8,31 +8,31 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
-from megatron_serve.fleet.lifeline import Lifeline
-from megatron_serve.fleet.supervisor import Child, Gang, Supervisor
+from megatron_serve.fleet.supervisor import Child, Gang
 
 from ..helpers import wait_until
+from .test_elastic_gang_sizes import supervised
 
 pytestmark = pytest.mark.timeout(60)
 
 UP = "import time; print('up', flush=True); time.sleep(60)"
 
 
+def child(name: str, logs: Path) -> Child:
+    """A process that says it is up and sleeps, logging to ``logs``."""
+    return Child(name, [sys.executable, "-c", UP], logs / f"{name}.log", dict(os.environ))
+
+
 def test_rank_zero_restarts_alone_and_the_stores_loss_restarts_the_gang(tmp_path):
-    lifeline = Lifeline()
-    supervisor = Supervisor(lifeline, initial=0.05)
-    child = lambda name: Child(name, [sys.executable, "-c", UP], tmp_path / f"{name}.log", dict(os.environ))  # noqa: E731
-    members = [child(f"rank-{rank}") for rank in range(3)]
-    store = child("rendezvous-store")
+    members, store = [child(f"rank-{rank}", tmp_path) for rank in range(3)], child("rendezvous-store", tmp_path)
     renewed = []
     gang = Gang("group 0", members, lambda: renewed.append(1), elastic=True, store=store)
     everyone = [store, *members]
-    try:
-        supervisor.start_gang(gang)
-        supervisor.restart_dead(True)
+    with supervised(gang):
         wait_until(lambda: all(c.log.read_text() == "up\n" for c in everyone), 30, "the store and three members up")
         first, kept = members[0].proc, [c.proc for c in [store, *members[1:]]]
         first.kill()
@@ -48,10 +48,3 @@ def test_rank_zero_restarts_alone_and_the_stores_loss_restarts_the_gang(tmp_path
         assert renewed == [1, 1] and all(c.proc is not p and c.proc.poll() is None for c, p in zip(everyone, old))
         assert all(p.poll() is not None for p in old)
         assert members[1].causes == ["its gang lost rendezvous-store: killed by SIGKILL"], members[1].causes
-    finally:
-        supervisor.close()
-        for c in everyone:
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.kill()
-                c.proc.wait()
-        lifeline.close()

@@ -333,7 +333,8 @@ class LocalFleet:
         if config.elastic_expert_group:
             env = dict(os.environ)
             env.pop(TOKEN_ENV, None)
-            store = Child(f"rendezvous store (group {group})", [], self.log_dir / f"rendezvous-store-{group}.log", env)
+            log = self.log_dir / f"rendezvous-store-{group}.log"
+            store = Child(f"rendezvous store (group {group})", [], log, env)
             self._stores.append(store)
             for child in members:  # rank 0 connects to it as the others do
                 child.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"

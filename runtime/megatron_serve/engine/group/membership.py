@@ -1,19 +1,19 @@
 """Who is in a running expert-parallel group of data-parallel attention ranks, and the planned changes to it (a rank
 that joins, ranks that leave), as records in the group's rendezvous store (issue 63's "resizing an EP group").
 
-A loss is found by a failed collective (:mod:`.regroup`); a planned change is asked for in the store and taken at a
-step boundary the members agree on. The leader (the group's rank 0: its lowest member, in each generation)
-publishes the membership of each generation (:data:`MEMBERS`: its number, the members' data-parallel ranks, the
-group's full size), so that an engine started for the group after it formed, the lost rank's restart, knows it must join rather than
-meet the others at the start (:func:`running`). Whoever asks for a change (a joiner, :func:`ask_to_join`; the
-``scale-ep`` verb, :func:`want_size`) bumps one counter (:data:`CHANGES`), the one key the leader reads per turn
-(:class:`ChangeWatch`, at most every :data:`CHECK_S`); when it moved, the leader's turn agreement says so and every
-member calls the change at the same turn. The leader then decides the next membership (:func:`plan_change`: the
-joiners in, the highest ranks out down to a wanted size) and writes it under the next generation, with each
-admitted joiner's answer; every member reads it (:func:`read_change`), and the members and the joiners form the
-next generation's group once each said it is there (:func:`meet`). Every wait is bounded; what does not come in time
-is an :class:`~megatron_serve.errors.EngineGroupLost` that names it. A rank lost during a planned change is one of
-those: the group ends, as on a loss before data-parallel ranks served on.
+A loss is found by a failed collective (:mod:`.regroup`); a planned change is asked for in the store and taken at a step
+boundary the members agree on. The leader (the group's rank 0: its lowest member, in each generation) publishes the
+membership of each generation (:data:`MEMBERS`: its number, the members' data-parallel ranks, the group's full size), so
+that an engine started for the group after it formed, the lost rank's restart, knows it must join rather than meet the
+others at the start (:func:`running`). Whoever asks for a change (a joiner, :func:`ask_to_join`; the ``scale-ep`` verb,
+:func:`want_size`) bumps one counter (:data:`CHANGES`), the one key the leader reads per turn (:class:`ChangeWatch`, at
+most every :data:`CHECK_S`); when it moved, the leader's turn agreement says so and every member calls the change at the
+same turn. The leader then decides the next membership (:func:`plan_change`: the joiners in, the highest ranks out down
+to a wanted size) and writes it under the next generation, with each admitted joiner's answer; every member reads it
+(:func:`read_change`), and the members and the joiners form the next generation's group once each said it is there
+(:func:`meet`). Every wait is bounded; what does not come in time is an :class:`~megatron_serve.errors.EngineGroupLost`
+that names it. A rank lost during a planned change is one of those: the group ends, as on a loss before data-parallel
+ranks served on.
 """
 
 from __future__ import annotations

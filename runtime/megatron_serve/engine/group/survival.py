@@ -105,7 +105,8 @@ class GroupSurvival:
     def rejoin(self, cause: BaseException, progress: Progress) -> Resume:
         """Form the survivors' group, serve on in it, and say how this rank rejoins the others (it stopped at
         ``progress``); :class:`~megatron_serve.errors.EngineGroupLost` where this rank cannot (the rendezvous store's
-        process was the one lost: rank 0's engine, unless the store has a process of its own, no rank left beside this one, a survivor that did not say where it stopped)."""
+        process was the one lost: rank 0's engine, unless the store has a process of its own; no rank left beside this
+        one; a survivor that did not say where it stopped)."""
         self.generation += 1
         rank, ranks = self.rank, len(self.members)
         logger.warning("expert-parallel rank %d (rank %d of %d): a collective failed at %s (%s); regrouping with the "
