@@ -15,15 +15,15 @@ from megatron_serve.engine.group.membership import (CHECK_S, ChangeWatch, Member
                                                     want_size)
 from megatron_serve.errors import EngineGroupLost
 
-from ..helpers import free_port
 
 
 @pytest.fixture
 def stores():
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+    # port 0: the kernel picks a port no other test's store holds (a port found free, then bound, can be taken in
+    # between by another worker's store, which the joiner would then reach instead of this one)
+    host = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=10))
-    joiner = dist.TCPStore("127.0.0.1", port, 2, is_master=False, wait_for_workers=False,
+    joiner = dist.TCPStore("127.0.0.1", host.port, 2, is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
     yield host, joiner
 
