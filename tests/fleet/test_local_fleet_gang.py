@@ -61,13 +61,20 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def gang_fleet(python: object, tmp_path, groups: int) -> LocalFleet:
+    """``run --engines groups -dp 2 -tp 2 --enable-expert-parallel`` over the stand-in: gangs of two ranks (at
+    tensor-parallel 2 a group is not elastic: a rank's loss restarts its gang)."""
+    config = InferenceConfig(enable_expert_parallel=True, tensor_parallel_size=2)
+    fleet = LocalFleet(tmp_path / "model", groups, config, python=str(python), log_dir=tmp_path / "logs",
+                       data_parallel_size=2)
+    assert (fleet.groups, fleet.num_engines) == (groups, 2 * groups)
+    return fleet
+
+
 def test_a_dead_rank_ends_and_restarts_its_whole_gang_on_a_fresh_rendezvous(standin, tmp_path, caplog):
     python, engines = standin
     caplog.set_level(logging.WARNING, "megatron_serve.local_fleet")
-    config = InferenceConfig(enable_expert_parallel=True, tensor_parallel_size=2)
-    fleet = LocalFleet(tmp_path / "model", 1, config, python=str(python), log_dir=tmp_path / "logs",
-                       data_parallel_size=2)
-    assert (fleet.groups, fleet.num_engines) == (1, 2)
+    fleet = gang_fleet(python, tmp_path, groups=1)
     try:
         fleet.start(timeout=60)
         wait_until(lambda: len(engines()) == 2, 60, "both ranks")
@@ -117,10 +124,7 @@ def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
     """``run --engines 2 -dp 2 -tp 2 --enable-expert-parallel``: two gangs, each at its own rendezvous; a rank of
     group 1 dying restarts group 1 only (not elastic groups: those restart a lost rank alone)."""
     python, engines = standin
-    config = InferenceConfig(enable_expert_parallel=True, tensor_parallel_size=2)
-    fleet = LocalFleet(tmp_path / "model", 2, config, python=str(python), log_dir=tmp_path / "logs",
-                       data_parallel_size=2)
-    assert (fleet.groups, fleet.num_engines) == (2, 4)
+    fleet = gang_fleet(python, tmp_path, groups=2)
     try:
         fleet.start(timeout=60)
         wait_until(lambda: len(engines()) == 4, 60, "both gangs")
