@@ -231,7 +231,7 @@ class Supervisor:
     def _schedule(self, child: Child, code: int, now: float, why: str = "") -> None:
         """``child`` died with ``code``: start it again after its back-off, saying so."""
         uptime = now - child.started
-        child.delay = self.initial if uptime >= self.stable or not child.delay else min(child.delay * 2, self.maximum)
+        child.delay = self._back_off(child.delay, uptime)
         child.restart_at = now + child.delay
         cause = exit_cause(code)
         child.causes.append(cause)
@@ -272,7 +272,7 @@ class Supervisor:
         if gang.store is not None:
             end_process_group(gang.store.proc)
         uptime = now - gang.started
-        gang.delay = self.initial if uptime >= self.stable or not gang.delay else min(gang.delay * 2, self.maximum)
+        gang.delay = self._back_off(gang.delay, uptime)
         gang.restart_at = time.monotonic() + gang.delay
         lost = ", ".join(f"{child.name}: {exit_cause(code)}" for child, code in dead)
         for child in gang.members:
@@ -280,6 +280,11 @@ class Supervisor:
         logger.warning("%s lost %s (after %.0fs); every rank of it and their workers ended: restarting the gang "
                        "with a fresh rendezvous in %.1fs (restart %d)", gang.name, lost, uptime, gang.delay,
                        len(gang.members[0].causes))
+
+    def _back_off(self, delay: float, uptime: float) -> float:
+        """The wait before a restart, after ``delay`` before the last one and ``uptime`` since it: the first wait
+        again after a stable run, else twice the last one up to the maximum (a child's and a gang's alike)."""
+        return self.initial if uptime >= self.stable or not delay else min(delay * 2, self.maximum)
 
     @staticmethod
     def _alone(gang: Gang, dead: list[Child]) -> bool:
