@@ -6,22 +6,15 @@ others serving (test_expert_group_resize, test_data_parallel_rank_survival: the 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from ..helpers import free_port
+from ..helpers import free_port, until
 from .expert_group_stack import RANKS, expert_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KILLED = 2
 TOKENS = 32
-
-
-async def exited(engines) -> None:
-    while any(engine.poll() is None for engine in engines):
-        await asyncio.sleep(0.05)
 
 
 async def test_a_loss_after_a_refit_ends_the_group_instead_of_mixing_checkpoint_experts_in(tmp_path):
@@ -33,7 +26,8 @@ async def test_a_loss_after_a_refit_ends_the_group_instead_of_mixing_checkpoint_
         tasks = await group.in_flight()
         survivors = [engine for rank, engine in enumerate(group.engines) if rank != KILLED]
         group.engines[KILLED].kill()
-        await asyncio.wait_for(exited(survivors), 120)  # each refuses to serve on with stale experts
+        await until(lambda: all(engine.poll() is not None for engine in survivors), 120,
+                    "the survivors' exits")  # each refuses to serve on with stale experts
         for engine in survivors:
             assert "a refit changed the weights since the start" in group.children.log_of(engine)
 
