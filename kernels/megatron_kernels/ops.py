@@ -1,6 +1,8 @@
-"""Dispatcher: the engine calls these names; they route to Triton on CUDA and to the reference elsewhere.
+"""Dispatcher: the engine calls these names; they route to Triton on CUDA, and elsewhere to the CPU kernels
+(:mod:`megatron_kernels.cpu_attention`) where one exists and to the reference for the rest.
 
-``MEGATRON_KERNELS=triton`` or ``=reference`` forces one backend (Triton on CPU needs ``TRITON_INTERPRET=1``).
+``MEGATRON_KERNELS=triton``, ``=cpu`` or ``=reference`` forces one backend (Triton on CPU needs
+``TRITON_INTERPRET=1``; ``reference`` is plain PyTorch throughout, nothing compiled).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import cpu_attention, reference
 
 OP_NAMES = (
     "rms_norm",
@@ -27,15 +29,23 @@ OP_NAMES = (
     "lora_expand",
 )
 
+BACKENDS = ("triton", "cpu", "reference")
+
+#: The ops the ``cpu`` backend computes with a kernel of its own; the others are the reference's.
+CPU_OPS = {"paged_attention_decode": cpu_attention.paged_attention_decode}
+
 
 def backend_for(device: torch.device | str) -> str:
-    """Which implementation serves tensors on ``device``: ``"triton"`` or ``"reference"``."""
+    """Which implementation serves tensors on ``device``: one of :data:`BACKENDS`."""
     forced = os.environ.get("MEGATRON_KERNELS", "").strip().lower()
-    if forced in ("triton", "reference"):
+    if forced in BACKENDS:
         return forced
     if forced:
-        raise ValueError(f"MEGATRON_KERNELS must be 'triton' or 'reference', got {forced!r}")
-    return "triton" if torch.device(device).type == "cuda" and _triton_ops() is not None else "reference"
+        raise ValueError(f"MEGATRON_KERNELS must be one of {', '.join(BACKENDS)}, got {forced!r}")
+    kind = torch.device(device).type
+    if kind == "cuda" and _triton_ops() is not None:
+        return "triton"
+    return "cpu" if kind == "cpu" else "reference"
 
 
 def _triton_ops():
@@ -50,9 +60,12 @@ def get_op(name: str, device: torch.device | str) -> Callable:
     """The implementation of op ``name`` for ``device``; resolve once per model, not per call."""
     if name not in OP_NAMES:
         raise KeyError(f"unknown op {name!r}")
-    if backend_for(device) == "triton":
+    backend = backend_for(device)
+    if backend == "triton":
         module = _triton_ops()
         if module is None:
             raise RuntimeError("MEGATRON_KERNELS=triton but triton is not installed (pip install triton)")
         return getattr(module, name)
+    if backend == "cpu" and name in CPU_OPS:
+        return CPU_OPS[name]
     return getattr(reference, name)

@@ -1,12 +1,12 @@
 """The dispatcher picks a backend per device and honours ``MEGATRON_KERNELS``; the engine's greedy
-output is the same through either backend."""
+output is the same through every backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_kernels import OP_NAMES, backend_for, get_op, reference
+from megatron_kernels import OP_NAMES, backend_for, cpu_attention, get_op, reference
 from megatron_kernels import triton_ops
 
 
@@ -18,8 +18,9 @@ def test_every_op_has_both_implementations():
 
 def test_default_backend_follows_device(monkeypatch):
     monkeypatch.delenv("MEGATRON_KERNELS", raising=False)
-    assert backend_for("cpu") == "reference"
+    assert backend_for("cpu") == "cpu"  # the CPU's own kernels where it has one, the reference for the rest
     assert get_op("rms_norm", "cpu") is reference.rms_norm
+    assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
     if torch.cuda.is_available():
         assert backend_for("cuda") == "triton"
         assert get_op("rms_norm", "cuda") is triton_ops.rms_norm
@@ -38,6 +39,13 @@ def test_env_forces_reference(monkeypatch):
         assert backend_for(device) == "reference"
         for name in OP_NAMES:
             assert get_op(name, device) is getattr(reference, name)
+
+
+def test_env_forces_the_cpu_kernels(monkeypatch):
+    monkeypatch.setenv("MEGATRON_KERNELS", "cpu")
+    assert backend_for("cuda") == "cpu"
+    assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
+    assert get_op("paged_attention_prefill", "cpu") is reference.paged_attention_prefill
 
 
 def test_bad_env_value_raises(monkeypatch):
@@ -60,14 +68,14 @@ def test_engine_greedy_output_same_on_both_backends(monkeypatch, tmp_path):
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17"]
     params = serve.SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
     generated = {}
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "cpu", "triton"):
         monkeypatch.setenv("MEGATRON_KERNELS", backend)
         llm = serve.MegatronLLM(str(model_dir), serve.InferenceConfig(dtype="float32", block_size_tokens=16))
         layer = llm.engine.model.model.layers[0]
         expected_op = triton_ops.silu_and_mul if backend == "triton" else reference.silu_and_mul
         assert layer.mlp.silu_and_mul is expected_op
         generated[backend] = [out.generated_tokens for out in llm.generate(prompts, params)]
-    assert generated["triton"] == generated["reference"]
+    assert generated["triton"] == generated["reference"] == generated["cpu"]
     assert all(len(tokens) == 6 for tokens in generated["triton"])
 
 
@@ -102,11 +110,11 @@ def test_moe_engine_through_triton_equals_the_reference_engine(monkeypatch, tmp_
     params = serve.SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True,
                                   return_routing_indices=True)
     generated = {}
-    for backend in ("reference", "triton"):
+    for backend in ("reference", "cpu", "triton"):
         monkeypatch.setenv("MEGATRON_KERNELS", backend)
         llm = serve.MegatronLLM(str(model_dir), serve.InferenceConfig(dtype="float32", block_size_tokens=16))
         experts = llm.engine.model.model.layers[0].mlp.experts
         assert experts._fused_moe is (triton_ops.fused_moe if backend == "triton" else reference.fused_moe)
         generated[backend] = [(out.generated_tokens, out.routing_indices.tolist())
                               for out in llm.generate(prompts, params)]
-    assert generated["triton"] == generated["reference"]
+    assert generated["triton"] == generated["reference"] == generated["cpu"]

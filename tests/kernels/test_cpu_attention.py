@@ -1,0 +1,105 @@
+"""The CPU decode-attention kernel (C++, built on first use) against the PyTorch reference it replaces: the same
+attention within float32 rounding over both pool layouts, every row independent of the batch around it (``==``),
+the calls it does not serve handed to the reference unchanged, and a machine that cannot build it served by the
+reference with a warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megatron_kernels import cpu_attention, get_op, reference
+from megatron_kernels.fp8 import quantize_heads
+
+from .test_reference_cpu import _pools, _tables
+
+
+def _case(lengths: list[int], block_size: int, kv_heads: int, group: int, dim: int, seed: int = 0):
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 4
+    plain, heads_first = _pools(num_blocks, block_size, kv_heads, dim, torch.float32, seed)
+    tables = _tables([max(n, 1) for n in lengths], block_size, num_blocks, seed)
+    q = torch.randn(len(lengths), kv_heads * group, dim, generator=torch.Generator().manual_seed(seed + 7))
+    return q, plain, heads_first, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def test_the_kernel_builds_here_and_the_cpu_backend_serves_decode_with_it(monkeypatch):
+    monkeypatch.delenv("MEGATRON_KERNELS", raising=False)
+    assert cpu_attention.kernel() is not None, "no C++ compiler or ninja on this machine"
+    assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
+    assert get_op("paged_attention_prefill", "cpu") is reference.paged_attention_prefill
+
+
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "dim"),
+                         [(16, 4, 2, 64), (16, 2, 1, 128), (32, 2, 4, 80), (8, 3, 3, 16)])
+def test_decode_is_the_reference_within_rounding_over_both_layouts(block_size, kv_heads, group, dim):
+    lengths = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 130, 17]
+    q, plain, heads_first, tables, lens = _case(lengths, block_size, kv_heads, group, dim)
+    expected = reference.paged_attention_decode(q, *plain, tables, lens, dim ** -0.5)
+    for pool in (plain, heads_first):
+        got = cpu_attention.paged_attention_decode(q, *pool, tables, lens, dim ** -0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_is_the_same_alone_and_in_any_batch():
+    """A row's sums run in an order fixed by its own context: alone, among others, reordered, the same bits."""
+    lengths = [200, 3, 64, 77, 1, 129, 16, 250]
+    q, _, heads_first, tables, lens = _case(lengths, 16, 4, 2, 64, seed=3)
+    batch = cpu_attention.paged_attention_decode(q, *heads_first, tables, lens, 0.125)
+    order = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])
+    shuffled = cpu_attention.paged_attention_decode(q[order], *heads_first, tables[order], lens[order], 0.125)
+    assert torch.equal(shuffled, batch[order])
+    for row in range(len(lengths)):
+        alone = cpu_attention.paged_attention_decode(q[row:row + 1], *heads_first, tables[row:row + 1, :],
+                                                     lens[row:row + 1], 0.125)
+        assert torch.equal(alone, batch[row:row + 1]), row
+
+
+def test_out_is_written_in_place_and_an_empty_context_row_is_nan():
+    q, _, heads_first, tables, lens = _case([40, 0, 9], 16, 2, 2, 32)
+    buffer = torch.zeros(5, 4, 32)
+    result = cpu_attention.paged_attention_decode(q, *heads_first, tables, lens, 0.3, out=buffer[1:4])
+    assert result.data_ptr() == buffer[1:4].data_ptr()
+    assert torch.isnan(buffer[2]).all() and not torch.isnan(buffer[1]).any() and not torch.isnan(buffer[3]).any()
+    assert torch.equal(buffer[0], torch.zeros(4, 32)) and torch.equal(buffer[4], torch.zeros(4, 32))
+
+
+def test_calls_the_kernel_does_not_serve_are_the_reference_bit_for_bit():
+    """A 16-bit model's decode and an FP8 cache's (its scales) keep the reference's arithmetic exactly."""
+    q, plain, _, tables, lens = _case([33, 7, 90], 16, 2, 2, 64)
+    half = [p.to(torch.bfloat16) for p in plain]
+    assert torch.equal(cpu_attention.paged_attention_decode(q.bfloat16(), *half, tables, lens, 0.125),
+                       reference.paged_attention_decode(q.bfloat16(), *half, tables, lens, 0.125))
+    quantized = [quantize_heads(cache.flatten(0, 1)) for cache in plain]  # a scale per slot and head
+    caches = [values.view(cache.shape) for (values, _), cache in zip(quantized, plain)]
+    scales = {name: slot_scales.view(plain[0].shape[:3])
+              for name, (_, slot_scales) in zip(("k_scales", "v_scales"), quantized)}
+    assert torch.equal(cpu_attention.paged_attention_decode(q, *caches, tables, lens, 0.125, **scales),
+                       reference.paged_attention_decode(q, *caches, tables, lens, 0.125, **scales))
+
+
+def test_a_machine_that_cannot_build_it_gets_the_reference_and_a_warning(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_attention.kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+            q, plain, _, tables, lens = _case([20, 50], 16, 2, 2, 64)
+            got = cpu_attention.paged_attention_decode(q, *plain, tables, lens, 0.125)
+        assert torch.equal(got, reference.paged_attention_decode(q, *plain, tables, lens, 0.125))
+        assert "Ninja is required" in caplog.text and "reference" in caplog.text
+    finally:
+        cpu_attention.kernel.cache_clear()
+
+
+def test_loading_the_kernel_leaves_the_process_keeping_denormals():
+    """Built with ``-ffast-math`` but not linked with it: the process still computes with subnormal floats (a
+    library linked with ``crtfastmath`` would flush them to zero for every op of every model in it)."""
+    assert cpu_attention.kernel() is not None
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 0.5).item() != 0.0 and (tiny / 4 * 4).item() == pytest.approx(1e-39, rel=1e-3)
