@@ -14,6 +14,12 @@ choice is the layer's, never the batch's, so that a row's arithmetic does not ch
 
 A row's result does not depend on the other rows of the call, from two rows on (one row runs a matrix-vector
 kernel), as with MKL from four; ``--batch-invariant`` has its own GEMMs (:mod:`megatron_kernels.invariant`).
+
+Called with a plain weight, oneDNN reorders it into its blocked layout on every call. A model's own weight (an
+``nn.Parameter``) is reordered once instead, and the blocked copy kept beside it (the dense weights' memory twice
+over) until the weight is written: its version counter moves with every in-place write, a refit's included, so
+the next call reorders again. The blocked copy gives the same bits from two rows on (one row keeps the plain
+weight and its matrix-vector kernel); the figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -23,11 +29,29 @@ import torch.nn.functional as F
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_MIN_WEIGHT = 1 << 17  # elements (e.g. 512 x 256): the crossover measured in docs/design-measurements.md
+BLOCKED = ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+BLOCKED_ROWS_HINT = 64  # the rows oneDNN lays the blocked weight out for: a decode step's (16 and up measured alike)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through oneDNN for float32 tensors on a CPU with a large enough weight."""
     if (ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and weight.numel() >= ONEDNN_MIN_WEIGHT):
+        if x.numel() > x.shape[-1]:  # two rows or more
+            weight = _blocked(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _blocked(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout, reordered on first use and after every write to it; a tensor that is
+    not a model's parameter (a weight dequantized for one call), or has no version counter (an inference tensor),
+    as it is."""
+    if not (BLOCKED and isinstance(weight, torch.nn.Parameter)) or weight.is_inference():
+        return weight
+    key = (weight.data_ptr(), weight._version)
+    kept = getattr(weight, "_onednn_blocked", None)
+    if kept is None or kept[0] != key:
+        kept = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKED_ROWS_HINT))
+        weight._onednn_blocked = kept
+    return kept[1]

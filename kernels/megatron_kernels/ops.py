@@ -1,5 +1,5 @@
 """Dispatcher: the engine calls these names; they route to Triton on CUDA, and elsewhere to the CPU kernels
-(:mod:`megatron_kernels.cpu_attention`) where one exists and to the reference for the rest.
+(:mod:`megatron_kernels.cpu_attention`, :mod:`megatron_kernels.cpu_rows`) where one exists and to the reference for the rest.
 
 ``MEGATRON_KERNELS=triton``, ``=cpu`` or ``=reference`` forces one backend (Triton on CPU needs
 ``TRITON_INTERPRET=1``; ``reference`` is plain PyTorch throughout, nothing compiled).
@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from . import cpu_attention, reference
+from . import cpu_attention, cpu_rows, reference
 
 OP_NAMES = (
     "rms_norm",
@@ -32,7 +32,13 @@ OP_NAMES = (
 BACKENDS = ("triton", "cpu", "reference")
 
 #: The ops the ``cpu`` backend computes with a kernel of its own; the others are the reference's.
-CPU_OPS = {"paged_attention_decode": cpu_attention.paged_attention_decode}
+CPU_OPS = {
+    "paged_attention_decode": cpu_attention.paged_attention_decode,
+    "apply_rotary_write_kv_cache": cpu_rows.apply_rotary_write_kv_cache,
+    "rms_norm": cpu_rows.rms_norm,
+    "fused_add_rms_norm": cpu_rows.fused_add_rms_norm,
+    "silu_and_mul": cpu_rows.silu_and_mul,
+}
 
 
 def backend_for(device: torch.device | str) -> str:

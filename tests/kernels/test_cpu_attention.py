@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from megatron_kernels import cpu_attention, get_op, reference
+from megatron_kernels import cpu_attention, cpu_build, get_op, reference
 from megatron_kernels.fp8 import quantize_heads
 
 from .test_reference_cpu import _pools, _tables
@@ -26,7 +26,7 @@ def _case(lengths: list[int], block_size: int, kv_heads: int, group: int, dim: i
 
 def test_the_kernel_builds_here_and_the_cpu_backend_serves_decode_with_it(monkeypatch):
     monkeypatch.delenv("MEGATRON_KERNELS", raising=False)
-    assert cpu_attention.kernel() is not None, "no C++ compiler or ninja on this machine"
+    assert cpu_attention.built(), "no C++ compiler or ninja on this machine"
     assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
     assert get_op("paged_attention_prefill", "cpu") is reference.paged_attention_prefill
 
@@ -86,20 +86,20 @@ def test_a_machine_that_cannot_build_it_gets_the_reference_and_a_warning(monkeyp
         raise RuntimeError("Ninja is required to load C++ extensions\nmore")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    cpu_attention.kernel.cache_clear()
+    cpu_build.built.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
             q, plain, _, tables, lens = _case([20, 50], 16, 2, 2, 64)
             got = cpu_attention.paged_attention_decode(q, *plain, tables, lens, 0.125)
         assert torch.equal(got, reference.paged_attention_decode(q, *plain, tables, lens, 0.125))
         assert "Ninja is required" in caplog.text and "reference" in caplog.text
     finally:
-        cpu_attention.kernel.cache_clear()
+        cpu_build.built.cache_clear()
 
 
 def test_loading_the_kernel_leaves_the_process_keeping_denormals():
     """Built with ``-ffast-math`` but not linked with it: the process still computes with subnormal floats (a
     library linked with ``crtfastmath`` would flush them to zero for every op of every model in it)."""
-    assert cpu_attention.kernel() is not None
+    assert cpu_attention.built()
     tiny = torch.tensor([1e-39], dtype=torch.float32)
     assert (tiny * 0.5).item() != 0.0 and (tiny / 4 * 4).item() == pytest.approx(1e-39, rel=1e-3)

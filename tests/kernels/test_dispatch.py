@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kernels import OP_NAMES, backend_for, cpu_attention, get_op, reference
+from megatron_kernels import OP_NAMES, backend_for, cpu_attention, cpu_rows, get_op, reference
 from megatron_kernels import triton_ops
 
 
@@ -19,7 +19,8 @@ def test_every_op_has_both_implementations():
 def test_default_backend_follows_device(monkeypatch):
     monkeypatch.delenv("MEGATRON_KERNELS", raising=False)
     assert backend_for("cpu") == "cpu"  # the CPU's own kernels where it has one, the reference for the rest
-    assert get_op("rms_norm", "cpu") is reference.rms_norm
+    assert get_op("rms_norm", "cpu") is cpu_rows.rms_norm
+    assert get_op("write_kv_cache", "cpu") is reference.write_kv_cache
     assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
     if torch.cuda.is_available():
         assert backend_for("cuda") == "triton"
@@ -72,7 +73,7 @@ def test_engine_greedy_output_same_on_both_backends(monkeypatch, tmp_path):
         monkeypatch.setenv("MEGATRON_KERNELS", backend)
         llm = serve.MegatronLLM(str(model_dir), serve.InferenceConfig(dtype="float32", block_size_tokens=16))
         layer = llm.engine.model.model.layers[0]
-        expected_op = triton_ops.silu_and_mul if backend == "triton" else reference.silu_and_mul
+        expected_op = {"triton": triton_ops, "cpu": cpu_rows, "reference": reference}[backend].silu_and_mul
         assert layer.mlp.silu_and_mul is expected_op
         generated[backend] = [out.generated_tokens for out in llm.generate(prompts, params)]
     assert generated["triton"] == generated["reference"] == generated["cpu"]

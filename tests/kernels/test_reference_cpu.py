@@ -116,6 +116,32 @@ def test_the_dense_linear_is_onednn_and_a_row_does_not_depend_on_the_rows_beside
     assert dense.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).dtype == torch.bfloat16  # F.linear's
 
 
+@pytest.mark.skipif(not dense.BLOCKED, reason="torch without oneDNN's weight reorder")
+def test_a_parameter_is_reordered_once_the_same_bits_and_again_after_any_write():
+    """A model's weight keeps its oneDNN-blocked copy between calls, computes the bits the plain weight does, and
+    a write through the loader (a slice of it, as a fused layer's part) or in place is seen at the next call."""
+    from megatron_serve.model.tensor_source import copy_checked
+
+    weight = torch.nn.Parameter(torch.randn(768, 256, generator=_gen(20)), requires_grad=False)
+    plain = weight.detach().clone()
+    x = torch.randn(37, 256, generator=_gen(21))
+    onednn = torch.ops.mkldnn._linear_pointwise
+    for rows in (1, 2, 5, 37):
+        assert torch.equal(dense.linear(x[:rows], weight), onednn(x[:rows], plain, None, "none", [], "")), rows
+    kept = weight._onednn_blocked[1]
+    dense.linear(x, weight)
+    assert weight._onednn_blocked[1] is kept  # reordered once
+    with torch.inference_mode():  # a refit writes one fused part through the loader, in inference mode
+        copy_checked(weight.narrow(0, 256, 256), torch.ones(256, 256))
+    plain[256:512] = 1
+    assert torch.equal(dense.linear(x, weight), onednn(x, plain, None, "none", [], ""))
+    weight.mul_(3)
+    assert torch.equal(dense.linear(x, weight), onednn(x, plain * 3, None, "none", [], ""))
+    dequantized = torch.randn(768, 256, generator=_gen(22))  # a tensor made for one call: nothing kept on it
+    dense.linear(x, dequantized)
+    assert not hasattr(dequantized, "_onednn_blocked")
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
 def test_glibc_takes_the_heap_thresholds_of_a_cpu_engine():
     """Both values within what ``mallopt`` accepts (it refuses a mapping threshold above 32 MiB, say, and

@@ -7,7 +7,7 @@ imported. Each subcommand prints one JSON document on stdout.
     python installed_checks.py imports            # import every module of the three packages
     python installed_checks.py commands           # the CLI's subcommand names and the version
     python installed_checks.py parse FILE.json    # parse rendered container command lines
-    python installed_checks.py cpu-kernel         # build the CPU decode-attention kernel from the wheel's source
+    python installed_checks.py cpu-kernels        # build the CPU kernels from the wheel's sources and run them
 """
 
 from __future__ import annotations
@@ -95,22 +95,29 @@ def parse(path: str) -> dict[str, object]:
     return {"results": results}
 
 
-def cpu_kernel() -> dict[str, object]:
-    """Build (or load) the CPU decode-attention kernel from the source the wheel installed, and run it once."""
+def cpu_kernels() -> dict[str, object]:
+    """Build (or load) the CPU kernels from the sources the wheel installed, and run each once against the reference."""
     import torch
-    from megatron_kernels import cpu_attention, reference
+    from megatron_kernels import cpu_attention, cpu_build, cpu_rows, reference
 
-    built = cpu_attention.kernel() is not None
     q, keys, values = torch.randn(2, 4, 64), torch.randn(3, 16, 2, 64), torch.randn(3, 16, 2, 64)
     tables, lengths = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
-    got = cpu_attention.paged_attention_decode(q, keys, values, tables, lengths, 0.125)
-    expected = reference.paged_attention_decode(q, keys, values, tables, lengths, 0.125)
-    return {"built": built, "source": str(cpu_attention.SOURCE.resolve()),
-            "matches_reference": bool(torch.allclose(got, expected, rtol=1e-5, atol=1e-5))}
+    rows, weight = torch.randn(5, 256), torch.randn(128)
+    results = {
+        "paged_attention_decode": (cpu_attention.paged_attention_decode(q, keys, values, tables, lengths, 0.125),
+                                   reference.paged_attention_decode(q, keys, values, tables, lengths, 0.125)),
+        "rms_norm": (cpu_rows.rms_norm(rows[:, :128].contiguous(), weight, 1e-6),
+                     reference.rms_norm(rows[:, :128].contiguous(), weight, 1e-6)),
+        "silu_and_mul": (cpu_rows.silu_and_mul(rows), reference.silu_and_mul(rows)),
+    }
+    return {"built": {"attention": cpu_attention.built(), "rows": cpu_rows.built(), "swiglu": cpu_rows.swiglu_built()},
+            "sources": sorted(str(path.resolve()) for path in cpu_build.CSRC.glob("*.cpp")),
+            "match_reference": {name: bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+                                for name, (got, want) in results.items()}}
 
 
 def main(argv: list[str]) -> int:
-    check = {"imports": imports, "commands": commands, "parse": parse, "cpu-kernel": cpu_kernel}[argv[0]]
+    check = {"imports": imports, "commands": commands, "parse": parse, "cpu-kernels": cpu_kernels}[argv[0]]
     print(json.dumps(check(*argv[1:])))
     return 0
 

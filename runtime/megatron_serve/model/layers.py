@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         name = shard if shard is not None else next(iter(self.slices))
         offset, start, length = self.slices[name]
         check_full(source, 0, self.features[name])
-        copy_checked(param.data.narrow(0, offset, length), narrow(source, 0, start, length))
+        copy_checked(param.narrow(0, offset, length), narrow(source, 0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
@@ -208,7 +208,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         check_full(source, 0, self.vocab_size)
         piece = narrow(source, 0, self.start, self.local_rows)
-        copy_checked(param.data.narrow(0, 0, self.local_rows), piece)
+        copy_checked(param.narrow(0, 0, self.local_rows), piece)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -55,4 +55,5 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if is_fp8(loaded) != is_fp8(param):
         raise ValueError("is FP8 but this layer is not quantized (its quantization_config leaves it in the model "
                          "dtype)" if is_fp8(loaded) else f"has dtype {loaded.dtype} where FP8 data is expected")
-    param.data.copy_(loaded)
+    with torch.no_grad():  # through the parameter, not .data: its version counter moves, so kept copies see it
+        param.copy_(loaded)

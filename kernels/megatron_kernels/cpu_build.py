@@ -1,0 +1,59 @@
+"""Builds the CPU kernels (``csrc/``) on first use with ``torch.utils.cpp_extension``, for this machine.
+
+Each source is compiled once per source and CPU, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``):
+``-march=native`` code built on one CPU may not run on another (a home directory shared between machines), so
+the library's name carries a digest of the CPU's instruction set. It needs a C++ compiler, ``ninja`` and
+``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with one warning
+that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import subprocess
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+
+logger = logging.getLogger(__name__)
+
+
+def machine_tag() -> str:
+    """A short digest of this CPU's architecture and instruction-set flags."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def compile_flags(fast_math: bool) -> list[str]:
+    """This CPU's whole instruction set and, on x86, full-width AVX-512 registers (GCC otherwise keeps to 256 bits
+    on Intel CPUs). ``fast_math`` lets the compiler reorder sums into vector lanes and vectorize ``exp``; without it
+    no multiply-add is contracted, so elementwise arithmetic rounds as PyTorch's separate ops do. Either way only
+    the compile sees the flag: linked into a shared library, ``-ffast-math`` would switch the whole process to
+    flushing denormals (``crtfastmath``), and torch links with its own flags."""
+    flags = ["-O3", "-march=native", "-fopenmp-simd"]
+    flags += ["-ffast-math"] if fast_math else ["-ffp-contract=off"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")
+    return flags
+
+
+@functools.cache
+def built(source: str, fast_math: bool) -> bool:
+    """Whether ``csrc/<source>.cpp`` is built and loaded (its ops registered under ``torch.ops``)."""
+    try:
+        from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools; only when a CPU engine needs it
+
+        cpp_extension.load(name=f"megatron_cpu_{source}_{machine_tag()}", sources=[str(CSRC / f"{source}.cpp")],
+                           extra_cflags=compile_flags(fast_math), is_python_module=False)
+    except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        logger.warning("the CPU kernels of %s.cpp could not be built (%s); their ops run the PyTorch reference "
+                       "(slower). They need a C++ compiler, ninja and setuptools.", source,
+                       str(error).splitlines()[0])
+        return False
+    return True
