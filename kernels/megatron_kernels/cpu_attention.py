@@ -22,7 +22,7 @@ SOURCE = cpu_build.CSRC / "paged_attention_decode.cpp"
 
 def built() -> bool:
     """Whether the kernel is built and loaded here (``torch.ops.megatron_cpu.paged_attention_decode``)."""
-    return cpu_build.built("paged_attention_decode", fast_math=True)
+    return cpu_build.built("paged_attention_decode")
 
 
 def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,

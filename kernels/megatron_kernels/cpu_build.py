@@ -4,7 +4,8 @@ Each source is compiled once per source and CPU, into torch's extensions directo
 ``-march=native`` code built on one CPU may not run on another (a home directory shared between machines), so
 the library's name carries a digest of the CPU's instruction set. It needs a C++ compiler, ``ninja`` and
 ``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with one warning
-that says why.
+that says why. ``python -m megatron_kernels`` builds them all ahead of time (``make setup`` does, and an
+image can), so that no engine's first step waits for a compiler.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
+
+#: Each source (``csrc/<name>.cpp``) and whether it is compiled with ``-ffast-math`` (:func:`compile_flags`).
+SOURCES = {"paged_attention_decode": True, "rotary_norm": False, "silu_and_mul": True}
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +48,17 @@ def compile_flags(fast_math: bool) -> list[str]:
 
 
 @functools.cache
-def built(source: str, fast_math: bool) -> bool:
+def built(source: str) -> bool:
     """Whether ``csrc/<source>.cpp`` is built and loaded (its ops registered under ``torch.ops``)."""
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools; only when a CPU engine needs it
 
         cpp_extension.load(name=f"megatron_cpu_{source}_{machine_tag()}", sources=[str(CSRC / f"{source}.cpp")],
-                           extra_cflags=compile_flags(fast_math), is_python_module=False)
+                           extra_cflags=compile_flags(SOURCES[source]), is_python_module=False)
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
         logger.warning("the CPU kernels of %s.cpp could not be built (%s); their ops run the PyTorch reference "
                        "(slower). They need a C++ compiler, ninja and setuptools.", source,
                        str(error).splitlines()[0])
         return False
     return True
+

@@ -19,12 +19,12 @@ SOURCES = (cpu_build.CSRC / "rotary_norm.cpp", cpu_build.CSRC / "silu_and_mul.cp
 
 def built() -> bool:
     """Whether the rotary and norm kernels are built and loaded here (``torch.ops.megatron_cpu_rows``)."""
-    return cpu_build.built("rotary_norm", fast_math=False)
+    return cpu_build.built("rotary_norm")
 
 
 def swiglu_built() -> bool:
     """Whether the SwiGLU kernel is built and loaded here (``torch.ops.megatron_cpu_swiglu``)."""
-    return cpu_build.built("silu_and_mul", fast_math=True)
+    return cpu_build.built("silu_and_mul")
 
 
 def _float32_rows(*tensors: torch.Tensor) -> bool:

@@ -83,3 +83,15 @@ def test_calls_the_kernels_do_not_serve_are_the_reference_bit_for_bit():
     assert torch.equal(cpu_rows.rms_norm(x[:, :128], weight, 1e-6), reference.rms_norm(x[:, :128], weight, 1e-6))
     strided = torch.randn(9, 256, generator=_gen(12))[:, ::2]  # not contiguous rows
     assert torch.equal(cpu_rows.rms_norm(strided, weight.float(), 1e-6), reference.rms_norm(strided, weight.float(), 1e-6))
+
+
+def test_python_m_megatron_kernels_builds_every_cpu_source_and_says_so():
+    import subprocess
+    import sys
+
+    from megatron_kernels import cpu_build
+
+    done = subprocess.run([sys.executable, "-m", "megatron_kernels"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ", ".join(f"{source}: built" for source in cpu_build.SOURCES)
+    assert {path.stem for path in cpu_build.CSRC.glob("*.cpp")} == set(cpu_build.SOURCES)
