@@ -34,18 +34,9 @@ def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             and (out is None or out.stride(-1) == 1))
 
 
-def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`megatron_kernels.reference.paged_attention_decode` through the C++ kernel where it serves the call."""
     if not (_kernel_serves(q, k_cache, v_cache, out, k_scales) and built()):
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,

@@ -55,20 +55,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return torch.ops.megatron_cpu_rows.fused_add_rms_norm(x, residual, weight, eps)
 
 
-def apply_rotary_write_kv_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor, *, k_scales: torch.Tensor | None = None,
+                                v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`megatron_kernels.reference.apply_rotary_write_kv_cache` in one pass per token, the same bits."""
     if not (k_scales is None and _float32_rows(q, k, v, cos, sin, k_cache, v_cache) and cos.is_contiguous()
             and sin.is_contiguous() and built()):
