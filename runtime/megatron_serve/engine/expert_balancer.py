@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..model.experts.eplb import LayerPlacement, balancedness, identity_plan, plan_layer, rank_loads
-from ..model.experts.moves import ExpertTransfer, install_rows, plan_moves
+from ..model.experts.eplb import balancedness, identity_plan, plan_layer, rank_loads
+from ..model.experts.moves import ExpertTransfer, install_placement, install_rows, plan_moves
 from ..model.experts.moe import SparseMoeBlock
 from ..model.experts.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
 from ..wire.engine_stats import EPLB
@@ -235,14 +235,9 @@ its join places it (:func:`~megatron_serve.engine.expert_recovery.place_for_memb
                              f"experts do not split over {ranks} expert-parallel ranks")
         plan = identity_plan(logical, physical, ranks)
         per_rank = physical // ranks
+        transfer = None
         if num_redundant and transfer_group is not None:  # None: a joiner, placed when the group takes it in
-            old = list(range(logical))
-            transfer = ExpertTransfer(experts, plan_moves(old, plan, ranks, rank), plan[rank * per_rank:
-                                                                                   (rank + 1) * per_rank],
-                                      transfer_group)
-            install_rows(experts, transfer.new_slots, transfer.rows())
-        experts.num_physical = physical
-        block.placement = LayerPlacement(plan, logical, experts.gate_up_proj.device)
-        ordered = block.dispatcher.ordered
-        block.dispatcher = (DataParallelDispatcher if tp.data_parallel.size > 1 else AllToAllDispatcher)(tp, physical)
-        block.dispatcher.ordered = ordered
+            transfer = ExpertTransfer(experts, plan_moves(list(range(logical)), plan, ranks, rank),
+                                      plan[rank * per_rank:(rank + 1) * per_rank], transfer_group)
+        dispatcher = (DataParallelDispatcher if tp.data_parallel.size > 1 else AllToAllDispatcher)(tp, physical)
+        install_placement(block, plan, dispatcher, block.dispatcher.ordered, transfer)

@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..model.experts.dispatch import install_dispatchers
-from ..model.experts.eplb import LayerPlacement
 from ..model.experts.eplb_recovery import Recovery, members_plan, recovery, relocation
 from ..model.experts.moe import SparseMoeBlock, expert_weight_name
-from ..model.experts.moves import ExpertTransfer, install_rows
+from ..model.experts.moves import ExpertTransfer, install_placement
 from ..model.experts.token_dispatcher import DataParallelDispatcher
 from ..model.loader import checkpoint_views, load_weights
 
@@ -88,13 +87,9 @@ def _install(model: torch.nn.Module, blocks: list[tuple[str, SparseMoeBlock]], p
     _refuse_stale_reads(any(part.loads for part in parts) and not checkpoint_current, model_dir, group)
     wanted: dict[str, set[int]] = {}
     for (name, block), part in zip(blocks, parts):
-        experts = block.experts
         new_slots = part.placement[index * part.per_rank:(index + 1) * part.per_rank]
-        install_rows(experts, new_slots, ExpertTransfer(experts, part.moves, new_slots, group).rows())
-        experts.num_physical = len(part.placement)
-        block.placement = LayerPlacement(part.placement, experts.num_experts, experts.gate_up_proj.device)
-        block.dispatcher = DataParallelDispatcher(block.tp, experts.num_physical)
-        block.dispatcher.ordered = ordered
+        install_placement(block, part.placement, DataParallelDispatcher(block.tp, len(part.placement)), ordered,
+                          ExpertTransfer(block.experts, part.moves, new_slots, group))
         if part.loads:
             wanted[f"{name}.experts"] = {expert for _, expert in part.loads}
     install_dispatchers(model, "alltoall")

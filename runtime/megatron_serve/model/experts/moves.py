@@ -6,7 +6,8 @@ sends least so far, the lowest among equals, so the sends spread). The rows trav
 row is one expert's every stacked parameter as bytes (``gate_up_proj``, ``down_proj``, an FP8 layer's scales), so
 one collective moves any dtype (gloo has no FP8). :class:`ExpertTransfer` starts it without waiting (on a group of
 its own, so a step's collectives can run meanwhile) and :meth:`ExpertTransfer.rows` assembles the new stack's rows
-once it is done; :func:`install_rows` writes them into the experts' parameters in place, between two steps.
+once it is done; :func:`install_rows` writes them into the experts' parameters in place, between two steps, and
+:func:`install_placement` makes a new placement a block's (its rows, its map and its dispatcher).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .moe import FusedExperts
+from .eplb import LayerPlacement
+from .moe import FusedExperts, SparseMoeBlock
+from .token_dispatcher import TokenDispatcher
 
 
 @dataclass(frozen=True)
@@ -137,3 +140,18 @@ class ExpertTransfer:
         if incoming:
             rows[incoming] = self._received
         return rows
+
+
+def install_placement(block: SparseMoeBlock, placement: Sequence[int], dispatcher: TokenDispatcher, ordered: bool,
+                      transfer: ExpertTransfer | None = None) -> None:
+    """Make ``placement`` (every rank's physical slots in order, each its logical expert) ``block``'s: this rank's
+    rows from ``transfer`` (none: the rows stay as they are), the routing map, and ``dispatcher`` over the physical
+    experts (``ordered``: the block's dispatch order, kept across the change). The first placement at start and the
+    placement after a member is lost or joins both go through here."""
+    experts = block.experts
+    if transfer is not None:
+        install_rows(experts, transfer.new_slots, transfer.rows())
+    experts.num_physical = len(placement)
+    block.placement = LayerPlacement(list(placement), experts.num_experts, experts.gate_up_proj.device)
+    dispatcher.ordered = ordered
+    block.dispatcher = dispatcher
