@@ -1,8 +1,11 @@
 """Builds the CPU kernels (``csrc/``) on first use with ``torch.utils.cpp_extension``, for this machine.
 
-Each source is compiled once per source and CPU, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``):
-``-march=native`` code built on one CPU may not run on another (a home directory shared between machines), so
-the library's name carries a digest of the CPU's instruction set. It needs a C++ compiler, ``ninja`` and
+Each source is compiled once per source, CPU and installation, into torch's extensions directory
+(``TORCH_EXTENSIONS_DIR``, shared by every environment of a user): the library's name carries a digest of the CPU's
+instruction set (``-march=native`` code built on one CPU may not run on another, as with a home directory shared
+between machines), of torch's version (its C++ ABI) and of the source's path, so that two environments never
+rebuild one library under each other (a process that loads a rebuilt copy of a library it holds registers its ops
+twice, which torch aborts on). It needs a C++ compiler, ``ninja`` and
 ``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with one warning
 that says why. ``python -m megatron_kernels`` builds them all ahead of time (``make setup`` does, and an
 image can), so that no engine's first step waits for a compiler.
@@ -10,12 +13,13 @@ image can), so that no engine's first step waits for a compiler.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import platform
 import subprocess
 from pathlib import Path
+
+import torch
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -25,13 +29,14 @@ SOURCES = {"paged_attention_decode": True, "rotary_norm": False, "silu_and_mul":
 logger = logging.getLogger(__name__)
 
 
-def machine_tag() -> str:
-    """A short digest of this CPU's architecture and instruction-set flags."""
+def build_tag(source: Path) -> str:
+    """A short digest of this CPU's architecture and instruction-set flags, torch's version and ``source``'s path."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    facts = f"{platform.machine()} {flags} {torch.__version__} {source.resolve()}"
+    return hashlib.sha256(facts.encode()).hexdigest()[:12]
 
 
 def compile_flags(fast_math: bool) -> list[str]:
@@ -47,13 +52,23 @@ def compile_flags(fast_math: bool) -> list[str]:
     return flags
 
 
-@functools.cache
+#: Each source's outcome in this process: a library is loaded once (loaded again, its ops would register twice).
+LOADED: dict[str, bool] = {}
+
+
 def built(source: str) -> bool:
     """Whether ``csrc/<source>.cpp`` is built and loaded (its ops registered under ``torch.ops``)."""
+    if source not in LOADED:
+        LOADED[source] = _build_and_load(source)
+    return LOADED[source]
+
+
+def _build_and_load(source: str) -> bool:
+    path = CSRC / f"{source}.cpp"
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools; only when a CPU engine needs it
 
-        cpp_extension.load(name=f"megatron_cpu_{source}_{machine_tag()}", sources=[str(CSRC / f"{source}.cpp")],
+        cpp_extension.load(name=f"megatron_cpu_{source}_{build_tag(path)}", sources=[str(path)],
                            extra_cflags=compile_flags(SOURCES[source]), is_python_module=False)
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
         logger.warning("the CPU kernels of %s.cpp could not be built (%s); their ops run the PyTorch reference "

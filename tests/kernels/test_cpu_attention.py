@@ -86,15 +86,20 @@ def test_a_machine_that_cannot_build_it_gets_the_reference_and_a_warning(monkeyp
         raise RuntimeError("Ninja is required to load C++ extensions\nmore")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    cpu_build.built.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
-            q, plain, _, tables, lens = _case([20, 50], 16, 2, 2, 64)
-            got = cpu_attention.paged_attention_decode(q, *plain, tables, lens, 0.125)
-        assert torch.equal(got, reference.paged_attention_decode(q, *plain, tables, lens, 0.125))
-        assert "Ninja is required" in caplog.text and "reference" in caplog.text
-    finally:
-        cpu_build.built.cache_clear()
+    monkeypatch.setattr(cpu_build, "LOADED", {})  # a process that never built it (the loaded library stays loaded)
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        q, plain, _, tables, lens = _case([20, 50], 16, 2, 2, 64)
+        got = cpu_attention.paged_attention_decode(q, *plain, tables, lens, 0.125)
+    assert torch.equal(got, reference.paged_attention_decode(q, *plain, tables, lens, 0.125))
+    assert "Ninja is required" in caplog.text and "reference" in caplog.text
+
+
+def test_each_environment_and_torch_builds_its_own_library(tmp_path):
+    """Another environment's copy of a source (its own path) gets a library of its own, never this one rebuilt."""
+    copy = tmp_path / cpu_attention.SOURCE.name
+    copy.write_bytes(cpu_attention.SOURCE.read_bytes())
+    assert cpu_build.build_tag(copy) != cpu_build.build_tag(cpu_attention.SOURCE)
+    assert cpu_build.build_tag(cpu_attention.SOURCE) == cpu_build.build_tag(cpu_attention.SOURCE)
 
 
 def test_loading_the_kernels_leaves_the_process_keeping_denormals():

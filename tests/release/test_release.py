@@ -60,6 +60,7 @@ class Release:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         env["HF_HUB_OFFLINE"] = "1"
+        env["TORCH_EXTENSIONS_DIR"] = str(self.outside.parent / "torch_extensions")  # the CPU kernels, built afresh
         return env
 
     def run(self, *argv: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
