@@ -82,6 +82,11 @@ SETTINGS: dict[str, Setting] = {
                                                    applies=_text_model),
     "adapter rows: alone vs in a busy batch (LoRA)": Setting(Setup(adapter="all"), Setup(busy=True, adapter="all"),
                                                             share=2, applies=_text_model),
+    # over TP ranks with experts split, an adapter's rows are gathered so that each rank applies the whole LoRA
+    # product to them (the gathered-rows path): bitwise in the batch-invariant search as one rank's
+    "adapter rows: one rank vs EP=2 over the TP ranks (LoRA)": Setting(
+        Setup(adapter="all"), Setup({"tensor_parallel_size": 2, "enable_expert_parallel": True}, adapter="all"),
+        share=1, applies=lambda spec: spec.experts_split_over(2) and not spec.vision),
 }
 
 
