@@ -5,10 +5,10 @@ Each source is compiled once per source, CPU and installation, into torch's exte
 instruction set (``-march=native`` code built on one CPU may not run on another, as with a home directory shared
 between machines), of torch's version (its C++ ABI) and of the source's path, so that two environments never
 rebuild one library under each other (a process that loads a rebuilt copy of a library it holds registers its ops
-twice, which torch aborts on). It needs a C++ compiler, ``ninja`` and
-``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with one warning
-that says why. ``python -m megatron_kernels`` builds them all ahead of time (``make setup`` does, and an
-image can), so that no engine's first step waits for a compiler.
+twice, which torch aborts on). It needs a C++ compiler, ``ninja`` and ``setuptools``; where a source cannot be
+built, the ops it serves stay on the PyTorch reference, with one warning that says why. ``python -m
+megatron_kernels`` builds them all ahead of time (``make setup`` does, and an image can), so that no engine's first
+step waits for a compiler.
 """
 
 from __future__ import annotations
@@ -76,4 +76,3 @@ def _build_and_load(source: str) -> bool:
                        str(error).splitlines()[0])
         return False
     return True
-

@@ -4,8 +4,8 @@ RMSNorm with its residual add, and SwiGLU, where the reference runs a dozen PyTo
 
 The rotation is the reference's arithmetic operation for operation, bit for bit; RMSNorm sums its squares in an
 order of its own, fixed by the row's width, and SwiGLU's ``exp`` is glibc's vector one, so both equal the reference
-within rounding; no row depends on the rows beside it. Each op serves float32 tensors on the CPU (and a cache without FP8 scales); any other call, or a
-machine where the source cannot be built, goes to the reference.
+within rounding; no row depends on the rows beside it. Each op serves float32 tensors on the CPU (and a cache
+without FP8 scales); any other call, or a machine where the source cannot be built, goes to the reference.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build, reference
-
-SOURCES = (cpu_build.CSRC / "rotary_norm.cpp", cpu_build.CSRC / "silu_and_mul.cpp")
-
 
 def built() -> bool:
     """Whether the rotary and norm kernels are built and loaded here (``torch.ops.megatron_cpu_rows``)."""
@@ -64,5 +61,5 @@ def apply_rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             and sin.is_contiguous() and built()):
         return reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
                                                      k_scales=k_scales, v_scales=v_scales)
-    return torch.ops.megatron_cpu_rows.rotary_write_kv_cache(q, k, v, positions.long(), cos, sin, k_cache, v_cache,
-                                                             slot_mapping.long())
+    return torch.ops.megatron_cpu_rows.rotary_write_kv_cache(q, k, v, positions.long().contiguous(), cos, sin, k_cache,
+                                                             v_cache, slot_mapping.long().contiguous())

@@ -1,5 +1,6 @@
 """Dispatcher: the engine calls these names; they route to Triton on CUDA, and elsewhere to the CPU kernels
-(:mod:`megatron_kernels.cpu_attention`, :mod:`megatron_kernels.cpu_rows`) where one exists and to the reference for the rest.
+(:mod:`megatron_kernels.cpu_attention`, :mod:`megatron_kernels.cpu_rows`) where one exists and to the reference
+for the rest.
 
 ``MEGATRON_KERNELS=triton``, ``=cpu`` or ``=reference`` forces one backend (Triton on CPU needs
 ``TRITON_INTERPRET=1``; ``reference`` is plain PyTorch throughout, nothing compiled).
