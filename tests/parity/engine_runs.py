@@ -45,7 +45,7 @@ class Setup:
     config: Mapping[str, Any] = field(default_factory=dict)
     kv_pool: str | None = None  # "roomy" or "tiny" (None: the case's draw)
     busy: bool = False  # the case's requests share the engine with other traffic
-    kernels: str | None = None  # MEGATRON_KERNELS for this engine's model: "triton" or "reference"
+    kernels: str | None = None  # MEGATRON_KERNELS for this engine's model: "triton", "cpu" or "reference"
     adapter: str | None = None  # LoRA: "others" (the busy traffic uses the model's adapter) or "all" (every request)
 
     def config_for(self, case: Case) -> dict[str, Any]:

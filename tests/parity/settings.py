@@ -71,6 +71,8 @@ SETTINGS: dict[str, Setting] = {
                                             Setup({"pipeline_parallel_size": 2, "pipeline_micro_batches": 2}),
                                             share=1, applies=lambda spec: spec.stages_over(2)),
     "reference vs Triton kernels": Setting(Setup(kernels="reference"), Setup(kernels="triton"), share=1),
+    # the CPU's C++ kernels (decode attention in place, rotary + KV write, norms, SwiGLU) against plain PyTorch
+    "reference vs CPU kernels": Setting(Setup(kernels="reference"), Setup(kernels="cpu"), share=2),
     # speculation verifies several rows of a request in one forward: greedy tokens, seeded samples and log probs
     # must be those of one token per step
     "no speculation vs n-gram drafts": Setting(Setup(), Setup({"speculative": NGRAM}), share=4),
