@@ -19,6 +19,11 @@ class EngineGroupLost(RuntimeError):
     """
 
 
+class LeftGroup(Exception):
+    """This data-parallel rank left its expert-parallel group in a planned change (``scale-ep``): its requests are
+    handed back already, and its engine process ends with 0, as after a STOP's drain."""
+
+
 class RefitFailed(RuntimeError):
     """A refit that did not complete; says which weights the engine holds now.
 

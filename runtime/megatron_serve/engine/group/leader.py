@@ -7,7 +7,6 @@ they can agree where each stopped (:mod:`.regroup`), and resumes there. A planne
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 from typing import Any, Callable, TypeVar
 
@@ -31,11 +30,9 @@ from .kv_tier import GroupCopier
 from .placement import release_groups
 from .regroup import Progress, Resume
 from .survival import GroupSurvival
-from .turns import LeftGroup, Turn
+from .turns import Turn
 
 T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -111,11 +108,9 @@ class TensorParallelRunner(ModelRunner):
                 turn = resume.adopt  # the others agreed this turn before the loss: theirs is this rank's
             if not turn.change:
                 break
-            try:
-                self.survival.change()  # every member at this turn; then the turn is agreed again, joiners with them
-            except LeftGroup as left:  # scale-ep: its requests were handed back first; the process ends as a STOP's
-                logger.warning("%s; exiting", left)
-                raise SystemExit(0) from None
+            # every member at this turn; then the turn is agreed again, joiners with them (a rank that leaves
+            # raises errors.LeftGroup, which ends its process)
+            self.survival.change()
             self._turns = self._works = 0  # a new group: every member counts from here (.regroup compares them)
         self._turns += 1
         self._last_turn = turn

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import InferenceConfig
-from ...errors import EngineGroupLost
+from ...errors import EngineGroupLost, LeftGroup
 from ...model.experts.moe import SparseMoeBlock
 from ..expert_recovery import place_for_members, recover_experts
 from .channel import PlanChannel
@@ -44,7 +44,6 @@ from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_a
                          read_change, want_size)
 from .placement import RENDEZVOUS_TIMEOUT_S, join_data_parallel, release_groups
 from .regroup import Progress, Resume, regroup
-from .turns import LeftGroup
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class GroupSurvival:
 
     def change(self) -> None:
         """The turn the members agreed for a planned change: the leader plans the next membership, every member
-        reads it, the ones that stay (and the ranks that join) form its group; :class:`.turns.LeftGroup` for a rank
+        reads it, the ones that stay (and the ranks that join) form its group; :class:`~megatron_serve.errors.LeftGroup` for a rank
         that leaves."""
         if self.watch is not None:
             self.watch.taken()

@@ -18,11 +18,6 @@ class Turn(NamedTuple):
     change: bool = False  # the leader saw a planned change asked for (.membership): every rank takes it now
 
 
-class LeftGroup(Exception):
-    """This data-parallel rank left its expert-parallel group in a planned change (``scale-ep``): its engine
-    process ends, its requests handed back before."""
-
-
 @dataclass(frozen=True)
 class HeldVerb:
     """A verb held until every data-parallel rank holds its copy (:mod:`.data_parallel` says why); past

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import zmq
 
+from ...errors import LeftGroup
 from ...heap import freeze_startup_heap
 from ...wire.lifecycle import FleetState
 from ...wire.protocol import Role
@@ -83,8 +84,12 @@ class EngineProcess:
                 # data-parallel attention ranks step together while any of them has work (engine.group.data_parallel):
                 # an idle one steps too, and does not wait on its inbox meanwhile; a verb that joins them all
                 # runs at the turn in which every one holds its copy
-                turn = engine.group_turn(shell.state is FleetState.RUNNING and engine.has_unfinished_requests(),
-                                         shell.held is not None)
+                try:
+                    turn = engine.group_turn(shell.state is FleetState.RUNNING and engine.has_unfinished_requests(),
+                                             shell.held is not None)
+                except LeftGroup as left:  # scale-ep: its requests were handed back first
+                    logger.warning("%s; exiting", left)
+                    return 0
                 if shell.held is not None and (turn.verb or shell.held.expired()):
                     verb, shell.held = shell.held, None
                     if turn.verb:
