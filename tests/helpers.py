@@ -216,14 +216,15 @@ class Recorder:
 
     def __init__(self, client: InferenceClient) -> None:
         self.results: Counter = Counter()
-        original = client._on_message
+        link = client._link
+        original = link.on_message
 
         def spy(header, body):
             if header is Header.RESULT:
                 self.results[str(body.client_request_id)] += 1
             original(header, body)
 
-        client._on_message = spy
+        link.on_message = spy
 
 
 class RawPeer:

@@ -16,7 +16,8 @@ from typing import AsyncIterator
 import pytest
 import zmq
 
-from megatron_serve.client.coordinator_client import ACK_DELAY_S, InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.client.link import ACK_DELAY_S
 from megatron_serve.wire.messages import PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.wire.protocol import Header, Message, decode, encode, unbatch
 from megatron_serve.wire.sampling_params import SamplingParams

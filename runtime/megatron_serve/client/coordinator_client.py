@@ -1,7 +1,7 @@
 """``InferenceClient``: the asyncio client of the coordinator protocol (docs/wire-protocol.md).
 
-One DEALER socket, one receive task and one heartbeat task, all on the event loop that called
-:meth:`InferenceClient.start`. The client keeps every request it submitted until its final
+Its socket and the tasks that read, send and reconnect are its :class:`~.link.ClientLink`, on the event loop
+that called :meth:`InferenceClient.start`. The client keeps every request it submitted until its final
 ``RESULT`` arrives, so that a lost or restarted coordinator costs nothing but time: the client
 reconnects with backoff, says HELLO again with the same ``client_id`` (so the coordinator routes
 undelivered results to the new connection) and resubmits what is still pending — a streaming
@@ -29,23 +29,19 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
 import msgspec
 
 from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
+from .link import ClientLink
 from ..limits import DEFAULT_COORDINATOR_GRACE
 from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
 from ..wire.placement import PLACEMENT_PROTOCOL, Placement, PlacementError
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt, prompt_for_fleet
-from ..wire.protocol import ErrorCode, Header, Role, encode, pack_batches
+from ..wire.protocol import ErrorCode, Header, Role, encode
 from ..wire.security import FleetSecret, PeerKeys, TokenFrom, fleet_secret, hello_credentials, refused_message
-from ..wire.transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial
 from .pending_requests import PendingRequest, PendingRequests
 from ..wire.request import DynamicInferenceRequest
@@ -59,22 +55,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("megatron_serve.client")
 
 __all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
-
-
-#: Messages the receive loop takes at once before it lets the event loop run. ``await sock.recv()``
-#: does not yield while messages are waiting, so a backlog (many streams, a busy host) was handled in
-#: one go: measured 7.4 s during which the HTTP server in the same loop answered nothing, /health
-#: included. The rest of a batch is read without a future per message: 1.4 us instead of 22.6 us.
-_BATCH = 32
-#: Messages handled in one turn of the event loop before it runs again. A frame may be a BATCH of one
-#: message per request in flight (every request's tokens of one engine step), and each delta makes
-#: text here: 32 such frames at 64 streams were 2,048 messages in one turn.
-_MESSAGES_PER_TURN = 256
-
-#: How long a RESULT's acknowledgement waits for another message to ride with. Sent alone, it cost the
-#: coordinator a third receive per request at one request in flight (SUBMIT, the engine's step, the
-#: ack); the coordinator keeps a result until it is acknowledged, so waiting a little loses nothing.
-ACK_DELAY_S = 0.05
 
 
 class InferenceClient(FleetVerbs):
@@ -111,8 +91,6 @@ class InferenceClient(FleetVerbs):
         self.coordinator_timeout = coordinator_timeout
         self.coordinator_id: str | None = None
         self.state: str | None = None  # last fleet state the coordinator told us
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending = PendingRequests()
         self._controls: dict[str, tuple[Header, dict[str, Any], asyncio.Future]] = {}
@@ -122,20 +100,15 @@ class InferenceClient(FleetVerbs):
         # request cost 6.5% of the client's time at 64 requests in flight: a urandom call each).
         self._auto_ids = f"{uuid.uuid4().hex[:12]}-"
         self._request_numbers = itertools.count()
-        self._outbox: list[bytes] = []  # messages of this turn of the event loop, in order
-        self._acks: list[Any] = []  # RESULTs not yet acknowledged: they ride with the next message
-        self._flush_scheduled = False
-        self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
-        self._keys = PeerKeys()  # this client's identity, kept across its reconnects
+        keys = PeerKeys()  # this client's identity, kept across its reconnects
         self._connection = Connection({"role": self.role.value, "client_id": self.client_id, "acks": True,
-                                       **hello_credentials(self.secret, self._keys)},
+                                       **hello_credentials(self.secret, keys)},
                                       heartbeat_interval=heartbeat_interval, coordinator_timeout=coordinator_timeout,
                                       grace=coordinator_grace,
                                       refusal=refused_message(address, self.secret is not None))
+        self._link = ClientLink(self.secret, keys, self._connection, on_message=self._on_message,
+                                on_refused=self._refused, on_lost=self._on_lost)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
-        self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
-        self._monitor: zmq.asyncio.Socket | None = None  # the current socket's handshake events
-        self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._started = False
 
@@ -147,10 +120,8 @@ class InferenceClient(FleetVerbs):
             return self
         self._loop = asyncio.get_running_loop()
         self._registration = self._loop.create_future()
-        self._wake = asyncio.Event()
         self._started = True
-        self._open_socket()
-        self._tasks.append(asyncio.create_task(self._connection_loop(), name="inference-client-connection"))
+        self._link.start(self.address)
         try:
             await asyncio.wait_for(asyncio.shield(self._registration), timeout)
             if self.tokenizer is None and self.role is Role.CLIENT:
@@ -173,32 +144,6 @@ class InferenceClient(FleetVerbs):
     async def __aexit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _open_socket(self) -> None:
-        sock, monitor = open_peer_socket(self._ctx, self.address, self.secret, self._keys, hwm=0, linger=0)
-        self._close_socket()
-        self._sock, self._monitor = sock, monitor
-        self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="inference-client-recv"))
-        self._tasks.append(asyncio.create_task(self._monitor_loop(sock, monitor), name="inference-client-monitor"))
-
-    def _close_socket(self) -> None:
-        """Close the current socket, then its monitor (which ends the monitor's reading task)."""
-        if self._sock is not None:
-            close_monitored(self._sock, self._monitor)
-            self._sock = self._monitor = None
-
-    async def _monitor_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        """HELLO as soon as a connection is up; give up when handshakes keep failing. It reads until the socket
-        is closed (an unread monitor would stall the context: :func:`~megatron_serve.wire.transport.open_monitor`)."""
-        try:
-            while sock is self._sock:
-                self._connection.on_monitor_event(parse_monitor_message(await monitor.recv_multipart())["event"])
-                self._wake.set()
-        except Unauthorized as exc:
-            self._refused(exc)
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
-
     def _refused(self, exc: Unauthorized) -> None:
         """The coordinator refused this client (its handshake, or its identity): retrying cannot help."""
         if self._registration is not None and not self._registration.done():
@@ -207,28 +152,11 @@ class InferenceClient(FleetVerbs):
             self._fail_all(exc)
             self.close()
 
-    async def _connection_loop(self) -> None:
-        """Send what the connection says is due (HELLO with backoff, heartbeats); replace a silent socket."""
-        connection, wake = self._connection, self._wake
-        assert wake is not None
-        while not self._closed:
-            now = time.monotonic()
-            frames, reconnect = connection.due(now)
-            if reconnect:
-                self._open_socket()
-                continue
-            for frame in frames:
-                self._send_frame(frame)
-            lost = connection.lost(now, self.address)
-            if lost is not None and (self._pending or self._controls):
-                logger.error("%s: %d request(s) and %d verb(s) end", lost, len(self._pending), len(self._controls))
-                self._fail_all(lost)
-            wake.clear()
-            delay = min(max(0.0, connection.next_due() - time.monotonic()), self.coordinator_timeout)
-            try:
-                await asyncio.wait_for(wake.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+    def _on_lost(self, lost: CoordinatorLost) -> None:
+        """The coordinator has been gone past the grace period: what waits on it ends."""
+        if self._pending or self._controls:
+            logger.error("%s: %d request(s) and %d verb(s) end", lost, len(self._pending), len(self._controls))
+            self._fail_all(lost)
 
     def _on_registered(self, ack: HelloAck) -> None:
         """A new session: remember who answered, resubmit everything still pending."""
@@ -262,17 +190,13 @@ class InferenceClient(FleetVerbs):
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-        self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
-        self._close_socket()
+        self._link.close()
         self._fail_all(ConnectionError("InferenceClient closed"))
 
     async def aclose(self) -> None:
+        """:meth:`close`, then wait until the connection's tasks have ended."""
         self.close()
-        await asyncio.sleep(0)
+        await self._link.wait_closed()
 
     def _fail_all(self, exc: BaseException) -> None:
         self._pending.fail_all(exc)
@@ -286,94 +210,9 @@ class InferenceClient(FleetVerbs):
         self._status_waiters.clear()
 
     def _send(self, header: Header, body: dict[str, Any]) -> None:
-        """Queue a message for the end of this turn of the event loop (see :meth:`_flush`)."""
-        self._outbox.append(encode(header, body))
-        self._schedule_flush()
-
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Send what this turn queued, in order: one BATCH frame to a coordinator that speaks protocol 2.
-
-        A caller that submits 64 requests in one turn costs the coordinator one receive instead of
-        64, and their dispatch leaves it as one frame per engine.
-        """
-        self._flush_scheduled = False
-        if self._acks:
-            acks, self._acks = self._acks, []
-            self._outbox.append(encode(Header.RESULT_ACK, {"client_request_ids": acks}))
-        frames, self._outbox = self._outbox, []
-        ack = self._connection.ack
-        if len(frames) > 1 and ack is not None and ack.protocol >= 2:
-            frames = pack_batches(frames)
-        for frame in frames:
-            self._send_frame(frame)
-
-    def _flush_acks(self) -> None:
-        """The acknowledgements no other message carried within :data:`ACK_DELAY_S`. The timer is not
-        cancelled when they ride with something else (a timer per request at one in flight): it finds
-        nothing to send, or acknowledgements younger than itself."""
-        self._ack_timer = None
-        if self._acks and not self._closed:
-            self._flush()
-
-    def _send_frame(self, frame: bytes) -> bool:
-        if self._sock is None:
-            return False
-        try:
-            result = self._sock.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return False
-        if isinstance(result, asyncio.Future) and result.done() and result.exception() is not None:
-            return False  # not connected right now: resent after the next handshake
-        return True
+        self._link.send(header, body)
 
     # ------------------------------------------------------------------ receiving
-
-    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        waiting = zmq.Socket.shadow(sock.underlying)  # the same socket, read without a future per message
-        while not self._closed and sock is self._sock:
-            try:
-                frames = [await sock.recv()]
-                while len(frames) < _BATCH:  # what else is waiting, up to a batch
-                    frames.append(waiting.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                pass
-            except asyncio.CancelledError:
-                return
-            except zmq.ZMQError:
-                return
-            handled = 0
-            for frame in frames:
-                if sock is not self._sock:  # replaced while this turn let the loop run
-                    return
-                try:
-                    handled += self._receive(frame)
-                except Unauthorized as exc:
-                    self._refused(exc)
-                    return
-                if handled >= _MESSAGES_PER_TURN:
-                    handled = 0
-                    await asyncio.sleep(0)
-            if len(frames) == _BATCH:
-                await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
-
-    def _receive(self, frame: bytes) -> int:
-        """Handle one frame from the coordinator; how many messages it held. Raises :class:`Unauthorized`."""
-        connection = self._connection
-        registered = connection.registered
-        messages = connection.receive(frame, time.monotonic())
-        if registered and not connection.registered and self._wake is not None:
-            self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once
-        for header, body in messages:
-            try:
-                self._on_message(header, body)
-            except Exception:  # a handler bug must not kill the receive loop
-                logger.exception("error handling %s", header.name)
-        return len(messages)
 
     def _on_message(self, header: Header, body: Any) -> None:
         if header is Header.STEP_TOKENS:  # a step's deltas of this client's requests (or catch-ups: starts)
@@ -394,9 +233,7 @@ class InferenceClient(FleetVerbs):
             if body.state:
                 self.state = body.state
         elif header is Header.RESULT:
-            self._acks.append(body.client_request_id)
-            if self._ack_timer is None:
-                self._ack_timer = self._loop.call_later(ACK_DELAY_S, self._flush_acks)
+            self._link.acknowledge(body.client_request_id)
             self._pending.on_final(body.client_request_id, body.request)
         elif header is Header.CONTROL_ACK:
             entry = self._controls.pop(str(body.control_id), None)

@@ -17,7 +17,6 @@ dictionary reads. The main port keeps its own ``/health`` and ``/ready``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import selectors
@@ -54,9 +53,7 @@ class FleetWatch:
 
         async def stop() -> None:
             await self.monitor.stop()
-            tasks = list(self.client._tasks)  # noqa: SLF001 - ended here, before their loop stops
-            self.client.close()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.client.aclose()  # its tasks end here, before their loop stops
 
         try:
             self._thread.run(stop(), timeout=5.0)
