@@ -64,6 +64,10 @@ def kind_of(pid: int) -> str | None:
     return next((kind for kind, marker in KINDS if marker in argv), None)
 
 
+#: The share of a core under which a process counts as settled (:func:`settled`).
+IDLE_SHARE = 0.25
+
+
 def cpu_by_kind(run_pid: int) -> dict[str, float]:
     """CPU seconds of the run process and of its children by kind (several of one kind: summed)."""
     cpu = {"run": cpu_seconds(run_pid)}
@@ -79,14 +83,15 @@ def cpu_by_kind(run_pid: int) -> dict[str, float]:
 
 def settled(run_pid: int, timeout: float) -> dict[str, float]:
     """:func:`cpu_by_kind` once the processes have finished starting: the probe process starts after the main port
-    is up and may still import at the "is ready" line, so this polls until a second passes with under 20 ms of CPU
-    spent by all of them together (an idle fleet's heartbeats cost less)."""
+    is up and may still import at the "is ready" line, so this polls until a second passes in which no kind of
+    process spent more than :data:`IDLE_SHARE` of a core. Starting, a process spends most of one; idle, each
+    spends a few percent (heartbeats, the servers' fleet status polls), more on a loaded host."""
     before = cpu_by_kind(run_pid)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(1.0)
         now = cpu_by_kind(run_pid)
-        if now.keys() == before.keys() and sum(now.values()) - sum(before.values()) < 0.02:
+        if now.keys() == before.keys() and all(now[kind] - before[kind] < IDLE_SHARE for kind in now):
             return now
         before = now
     raise TimeoutError(f"the processes were still busy {timeout} s after ready")
