@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .wire.sampling_params import MAX_TOP_N_LOGPROBS, SamplingParams
+from .wire.sampling_fields import MAX_TOP_N_LOGPROBS
+from .wire.sampling_params import SamplingParams
 
 MiB = 1 << 20
 

@@ -76,7 +76,7 @@ def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):
 def test_a_bad_combination_is_one_line_naming_the_options(capsys, tmp_path):
     assert main(["serve", str(tmp_path), "--enable-auto-tool-choice"]) == 1
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"megatron-serve serve: error: --enable-auto-tool-choice needs --tool-call-parser "
+    assert err.splitlines() == ["megatron-serve serve: error: --enable-auto-tool-choice needs --tool-call-parser "
                                 "(one of hermes, llama3_json, mistral, qwen3_coder, qwen3_xml): the format the model "
                                 "writes its calls in"]
     assert main(["serve", str(tmp_path), "--tool-call-parser", "mistral"]) == 1

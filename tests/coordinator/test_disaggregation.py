@@ -4,7 +4,6 @@ before they landed."""
 
 from __future__ import annotations
 
-import msgspec
 
 from megatron_serve.wire.kv_blocks import KVBlocks, KVTensor
 from megatron_serve.wire.protocol import Header

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.engine.speculative.decoder import Speculator
 from megatron_serve.engine.structured_output import StructuredOutputs

@@ -13,7 +13,7 @@ from megatron_serve.engine.sampler import Sampler
 from megatron_serve.engine.sampling_state import SamplingState
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.engine.speculative.decoder import Speculator
-from megatron_serve.engine.speculative.factory import SpeculativeConfigError, make_proposer
+from megatron_serve.engine.speculative.factory import make_proposer
 from megatron_serve.engine.speculative.ngram import NgramProposer, lookup
 from megatron_serve.engine.speculative.proposer import DraftInput
 from megatron_serve.wire.engine_stats import EngineStats

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron_kernels import invariant, invariant_attention
+from megatron_kernels import invariant
 from megatron_kernels.invariant_attention import attention
 from megatron_serve.model.attention import AttentionMetadata, ForwardContext, PagedAttention
 

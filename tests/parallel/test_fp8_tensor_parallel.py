@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import InferenceConfig, MegatronLLM
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device

@@ -17,7 +17,6 @@ import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx

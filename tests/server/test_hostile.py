@@ -27,7 +27,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -264,8 +263,8 @@ async def test_fifty_thousand_choices_and_a_grammar_of_a_megabyte(stack):
 
 
 async def test_slow_clients_sending_a_byte_at_a_time(stack):
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: 200\r\n\r\n").encode() + b'{"model": "' + b"m" * 189
+    request = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               "Content-Length: 200\r\n\r\n").encode() + b'{"model": "' + b"m" * 189
 
     async def dribble() -> bytes:
         reader, writer = await asyncio.open_connection(stack.host, stack.port)
@@ -299,8 +298,8 @@ async def test_slow_clients_sending_a_byte_at_a_time(stack):
 
 
 async def test_500_connections_opening_and_dropping(stack):
-    full = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: 60\r\n\r\n").encode() + json.dumps({"model": stack.model, "prompt": "hi"}).ljust(60).encode()
+    full = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 60\r\n\r\n").encode() + json.dumps({"model": stack.model, "prompt": "hi"}).ljust(60).encode()
     shapes = [b"", b"GET /hea", full[:40], full[:-10], full, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
 
     async def one(i: int) -> None:

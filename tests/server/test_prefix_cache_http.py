@@ -7,7 +7,6 @@ completions and chat, counted once per prompt when ``n > 1``; the counters of ``
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx

@@ -17,8 +17,9 @@ import pytest
 
 from megatron_serve.server import create_app
 from megatron_serve.server.tenant_budgets import RateBucket
-from megatron_serve.server.tenants import (DEFAULT_TENANT, FAIRNESS_HEADER, Shedding, TenancyOptions,
-                                           TenantConfigError, is_document, parse_document, tenant_table)
+from megatron_serve.http_options import FAIRNESS_HEADER, Shedding
+from megatron_serve.server.tenants import (DEFAULT_TENANT, TenancyOptions, TenantConfigError, is_document,
+                                           parse_document, tenant_table)
 from megatron_serve.wire.tenancy import TenantTag
 
 from .conftest import serving

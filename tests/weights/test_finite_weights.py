@@ -25,7 +25,7 @@ from megatron_serve.client.coordinator_client import ControlError, InferenceClie
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.loader import load_model
-from megatron_serve.model.lora.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from megatron_serve.model.lora.checkpoint import WEIGHTS_FILE
 from megatron_serve.model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from megatron_serve.wire.sampling_params import SamplingParams
 

@@ -38,6 +38,9 @@ from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ..wire.kv_events import parse_kv_events_config
 from .vllm_options import (ALL2ALL_BACKENDS, CHECKPOINT_QUANTIZATIONS, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES,
-                           VLLM_OPTIONS, Scope, Status, VllmOption)
+                           VLLM_OPTIONS, Status, VllmOption)
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ is not one of them: the engine does not rank the whole vocabulary); ``prompt_log
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
-from ..wire.deltas import EngineStepOut, PromptScores, RequestDelta, RoutingRows
+from ..wire.deltas import EngineStepOut, RequestDelta, RoutingRows
 from ..wire.request import FinalRecord
 
 if TYPE_CHECKING:

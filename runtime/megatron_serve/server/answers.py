@@ -13,7 +13,6 @@ from typing import Any
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
 from .chunks import ChunkWriter
-from .context import ServerContext
 from .models import Usage
 from .translate import EngineJob
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts

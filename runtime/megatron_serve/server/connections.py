@@ -30,7 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..limits import DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE
+from ..limits import FIRST_REQUEST_IDLE
 from .chunked import offer, told_left
 from .errors import APIError
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..tokenizer import Tokenizer
 from ..generation_config import GenerationDefaults

@@ -35,7 +35,8 @@ from .http_layer import HTTPLayer
 from .tenant_budgets import LocalBudgets, SharedBudgets, TenantState
 
 if TYPE_CHECKING:
-    from .tenants import KeyEntry, Shedding, TenancyOptions, Tenant, TenantTable
+    from ..http_options import Shedding
+    from .tenants import KeyEntry, TenancyOptions, Tenant, TenantTable
     from .fleet import FleetMonitor
     from .metrics import ServerMetrics
     from .translate import EngineJob

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..http_options import FAIRNESS_HEADER, Shedding, TenancyOptions
+from ..http_options import TenancyOptions
 from ..wire.tenancy import BANDS, CLASSES, DEFAULT_CLASS, MAX_TENANT_NAME, TenantTag
 
 #: The anonymous tenant, whose entry also gives the settings of tenants that have none.

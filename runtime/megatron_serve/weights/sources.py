@@ -207,7 +207,7 @@ class RendezvousSource(TrainerSource):
             # the trainer died, while its leader had failed within milliseconds.
             pending = work = None
             transfer.close(pg)
-            del pg
+            pg = None  # the receiving closure's reference too
 
 
 def _reason(exc: Exception) -> str:

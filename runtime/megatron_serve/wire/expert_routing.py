@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Sequence as SequenceType
 
 if TYPE_CHECKING:  # this module travels with the request record into torch-free processes (client, coordinator)
     import numpy as np
-    import torch
 
 # numpy is imported where rows are made or read, not with this module: a coordinator, a `control` command or a
 # client that never meets routing rows does without it (a tenth of a CPU-second per process, 40% of `control`'s

@@ -25,10 +25,7 @@ from .sampling_fields import (
     FIELDS,
     LOGITS_CONTROLS,
     MAX_LOGIT_BIAS,
-    MAX_TOP_N_LOGPROBS,
     PENALTIES,
-    PRIORITY_MAX,
-    PRIORITY_MIN,
     SamplingField,
     differs_from_default,
 )
