@@ -6,7 +6,7 @@ The real objects of a served stack's HTTP process: ``create_app``'s app on the s
 Doubles stand at the edges: each connection's transport keeps what is written to it, the client's ZeroMQ socket
 the frames it sends. The benchmark plays the HTTP client (request bytes into the protocol, as aiohttp sends
 them) and the coordinator (each ``SUBMIT`` answered by ``STEP_TOKENS`` frames of the bytes an engine encodes,
-then a ``RESULT``), and hands the client each frame as its receive loop would (``InferenceClient._receive``).
+then a ``RESULT``), and hands the client each frame as its link's receive loop would (``ClientLink._receive``).
 Before each frame and each batch of requests the caches are filled with other data (:class:`Evictor`), as the
 other processes of a machine fill them between two turns of a served stack's loop (``--hot``: kept). Time is
 the loop thread's CPU time without the benchmark's own work (frames made, ``SUBMIT``s read, caches filled: timed
@@ -256,9 +256,10 @@ class Bench:
         client = InferenceClient("tcp://127.0.0.1:1", token=None, tokenizer=self.tokenizer)
         client._loop = asyncio.get_running_loop()  # started as start() would, on a socket double
         client._started = True
-        client._wake = asyncio.Event()
-        client._sock = self.socket = SocketDouble(self.progress)
-        client._receive(encode(Header.HELLO_ACK, {"coordinator_id": "bench", "state": "RUNNING",
+        self.link = link = client._link
+        link._loop, link._wake = client._loop, asyncio.Event()
+        link._sock = self.socket = SocketDouble(self.progress)
+        link._receive(encode(Header.HELLO_ACK, {"coordinator_id": "bench", "state": "RUNNING",
                                                   "protocol": PROTOCOL_VERSION}))
         self.client = client
         app = create_app(client, self.tokenizer, MODEL, vocab_size=self.tokenizer.vocab_size, max_model_len=1024,
@@ -281,14 +282,14 @@ class Bench:
 
     async def stop(self) -> None:
         await self._lifespan.__aexit__(None, None, None)
-        self.client._sock = None
+        self.link._sock = None
         self.client.close()
 
     def _answer_status(self) -> None:
 
         for header, body in self._sent():
             if header == Header.STATUS:
-                self.client._receive(encode(Header.STATUS_REPLY, {
+                self.link._receive(encode(Header.STATUS_REPLY, {
                     "state": "RUNNING", "queued": 0, "in_flight": 0, "completed": 0, "failed": 0,
                     "status_id": body["status_id"],
                     "engines": [{"id": "e0", "group": 0, "state": "RUNNING", "running": 0, "waiting": 0,
@@ -407,7 +408,7 @@ class Bench:
         self.evict()
         for stream, request in zip(streams, requests):
             stream.protocol.data_received(request)
-        await self.progress.until({self.socket: lambda: client.num_pending >= target and not client._flush_scheduled})
+        await self.progress.until({self.socket: lambda: client.num_pending >= target and not self.link._flush_scheduled})
         self.submitted()
 
     async def open(self, streams: list[Stream], lengths: list[int]) -> None:
@@ -416,7 +417,7 @@ class Bench:
         writes = [s.transport.count().writes for s in streams]
         frame, _ = self.step(streams)
         self.evict()
-        self.client._receive(frame)
+        self.link._receive(frame)
         await self.progress.until({s.transport: functools.partial(_past, s.transport, "writes", w)
                                    for s, w in zip(streams, writes)})
 
@@ -437,7 +438,7 @@ async def measure_token(bench: Bench, steps: int) -> float:
     started = time.thread_time()
     for frame in frames:
         bench.evict()
-        bench.client._receive(frame)
+        bench.link._receive(frame)
         await asyncio.sleep(0)
     spent = time.thread_time() - started - bench.driver
     await finish(bench, streams)
@@ -451,7 +452,7 @@ async def finish(bench: Bench, streams: list[Stream]) -> None:
         if not running:
             break
         frame, _ = bench.step(running)
-        bench.client._receive(frame)
+        bench.link._receive(frame)
     await bench.ended(streams, [0] * len(streams))
 
 
@@ -470,7 +471,7 @@ async def measure_request(bench: Bench, requests: int) -> tuple[float, float]:
         frame, _ = bench.step([stream])
         started = time.thread_time()
         bench.evict()
-        bench.client._receive(frame)
+        bench.link._receive(frame)
         await bench.ended([stream], [ends])
         end += time.thread_time() - started - bench.driver
     return intake / requests * 1e6, end / requests * 1e6
@@ -495,7 +496,7 @@ async def measure_mix(bench: Bench, requests: int) -> tuple[float, list[Stream]]
         tokens += len(running)
         ends = [s.transport.count().ends for s in ending]
         bench.evict()
-        bench.client._receive(frame)
+        bench.link._receive(frame)
         await asyncio.sleep(0)
         if ending:
             await bench.ended(ending, ends)
