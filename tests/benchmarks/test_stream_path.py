@@ -22,8 +22,10 @@ def _module():
 
 
 def test_every_measure_runs_and_every_answer_is_its_tokens_text(tmp_path):
+    # --hot: the caches are not filled between frames (a copy of twice the last level, 0.1-0.2 s a frame here, is
+    # most of the run's time and none of what it checks); test_the_evictor_fills_twice_the_last_level holds that
     result = subprocess.run([sys.executable, str(SCRIPT), "--streams", "4", "--requests", "12", "--steps", "3",
-                             "--single-requests", "3", "--repeats", "1", "--check", "--json"],
+                             "--single-requests", "3", "--repeats", "1", "--check", "--json", "--hot"],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(tmp_path.iterdir())  # its scratch directory is gone (a suite's runs left one each in $TMPDIR)
@@ -60,3 +62,13 @@ def test_the_check_fails_on_an_answer_that_is_not_the_tokens_text():
     miscounted = SimpleNamespace(transport=_Written(data=_answer("abab", 3)), expected=[[1, 2]])
     with pytest.raises(AssertionError, match="usage"):
         module.check(bench, [miscounted])
+
+
+def test_the_evictor_fills_twice_the_last_level(monkeypatch):
+    module = _module()
+    monkeypatch.setattr(module, "last_level_cache_bytes", lambda: 4096)
+    evictor = module.Evictor(True)
+    evictor._source[:] = b"x" * 8192
+    evictor()
+    assert len(evictor._target) == 8192 and evictor._target == evictor._source
+    assert len(module.Evictor(False)._source) == 0  # --hot: nothing copied
