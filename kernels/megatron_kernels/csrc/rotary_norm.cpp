@@ -95,10 +95,12 @@ void normalize(const float* x, const float* weight, int64_t width, float eps, fl
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t width = x.size(-1), rows = x.numel() / width;
   at::Tensor out = at::empty_like(x);
+  const float* input = x.data_ptr<float>();
+  const float* scale = weight.data_ptr<float>();
+  float* output = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      normalize(x.data_ptr<float>() + r * width, weight.data_ptr<float>(), width, static_cast<float>(eps),
-                out.data_ptr<float>() + r * width);
+      normalize(input + r * width, scale, width, static_cast<float>(eps), output + r * width);
   });
   return out;
 }
@@ -108,14 +110,19 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
                                                       const at::Tensor& weight, double eps) {
   const int64_t width = x.size(-1), rows = x.numel() / width;
   at::Tensor summed = at::empty_like(x), out = at::empty_like(x);
+  const float* input = x.data_ptr<float>();
+  const float* added = residual.data_ptr<float>();
+  const float* scale = weight.data_ptr<float>();
+  float* sums = summed.data_ptr<float>();
+  float* output = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* a = x.data_ptr<float>() + r * width;
-      const float* b = residual.data_ptr<float>() + r * width;
-      float* sum = summed.data_ptr<float>() + r * width;
+      const float* a = input + r * width;
+      const float* b = added + r * width;
+      float* sum = sums + r * width;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) sum[i] = a[i] + b[i];
-      normalize(sum, weight.data_ptr<float>(), width, static_cast<float>(eps), out.data_ptr<float>() + r * width);
+      normalize(sum, scale, width, static_cast<float>(eps), output + r * width);
     }
   });
   return {out, summed};
