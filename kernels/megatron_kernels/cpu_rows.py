@@ -14,6 +14,7 @@ import torch
 
 from . import cpu_build, reference
 
+
 def built() -> bool:
     """Whether the rotary and norm kernels are built and loaded here (``torch.ops.megatron_cpu_rows``)."""
     return cpu_build.built("rotary_norm")

@@ -4,10 +4,13 @@ whatever rows are beside it (``==``), and the calls they do not serve handed to 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from megatron_kernels import cpu_rows, get_op, reference
+from megatron_kernels import cpu_build, cpu_rows, get_op, reference
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -86,11 +89,6 @@ def test_calls_the_kernels_do_not_serve_are_the_reference_bit_for_bit():
 
 
 def test_python_m_megatron_kernels_builds_every_cpu_source_and_says_so():
-    import subprocess
-    import sys
-
-    from megatron_kernels import cpu_build
-
     done = subprocess.run([sys.executable, "-m", "megatron_kernels"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ", ".join(f"{source}: built" for source in cpu_build.SOURCES)

@@ -45,7 +45,8 @@ ACK_DELAY_S = 0.05
 
 class ClientLink:
     """The socket side of a client: ``start()`` on the client's event loop, ``send()`` and ``acknowledge()`` from
-    it, ``close()`` (then ``wait_closed()``) once. ``connection`` is the client's protocol state (it outlives sockets)."""
+    it, ``close()`` (then ``wait_closed()``) once. ``connection`` is the client's protocol state (it outlives
+    sockets)."""
 
     def __init__(self, secret: FleetSecret | None, keys: PeerKeys, connection: Connection, *,
                  on_message: Callable[[Header, Any], None], on_refused: Callable[[Unauthorized], None],

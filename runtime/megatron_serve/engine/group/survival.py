@@ -130,8 +130,8 @@ class GroupSurvival:
 
     def change(self) -> None:
         """The turn the members agreed for a planned change: the leader plans the next membership, every member
-        reads it, the ones that stay (and the ranks that join) form its group; :class:`~megatron_serve.errors.LeftGroup` for a rank
-        that leaves."""
+        reads it, the ones that stay (and the ranks that join) form its group; a rank that leaves raises
+        :class:`~megatron_serve.errors.LeftGroup`."""
         if self.watch is not None:
             self.watch.taken()
             plan = plan_change(self.store, Membership(self.generation, self.members, self.size))
