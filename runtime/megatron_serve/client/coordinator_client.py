@@ -109,7 +109,6 @@ class InferenceClient(FleetVerbs):
         self._link = ClientLink(self.secret, keys, self._connection, on_message=self._on_message,
                                 on_refused=self._refused, on_lost=self._on_lost)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
-        self._closed = False
         self._started = False
 
     # ------------------------------------------------------------------ connection
@@ -187,9 +186,8 @@ class InferenceClient(FleetVerbs):
 
     def close(self) -> None:
         """Close the connection (not the fleet: that is :meth:`stop`); pending futures fail."""
-        if self._closed:
+        if self._link.closed:
             return
-        self._closed = True
         self._link.close()
         self._fail_all(ConnectionError("InferenceClient closed"))
 
@@ -265,7 +263,7 @@ class InferenceClient(FleetVerbs):
     # ------------------------------------------------------------------ requests
 
     def _require_started(self) -> None:
-        if not self._started or self._closed:
+        if not self._started or self._link.closed:
             raise ClientNotStarted("InferenceClient is not started (await client.start()) or was closed")
 
     def _require_coordinator(self) -> None:
@@ -347,7 +345,7 @@ class InferenceClient(FleetVerbs):
         pending = self._new_pending(prompt, sampling_params, request_id, True, images, placement=placement)
 
         def abandon() -> None:
-            if not self._closed:
+            if not self._link.closed:
                 self.abort(pending.request_id)
 
         async for item in iterate_stream(pending.queue, abandon):
@@ -372,7 +370,7 @@ class InferenceClient(FleetVerbs):
     @property
     def connected(self) -> bool:
         """Registered with a coordinator that answered within ``coordinator_timeout`` (for readiness probes)."""
-        return (self._connection.registered and not self._closed
+        return (self._connection.registered and not self._link.closed
                 and self._connection.silent_for(time.monotonic()) < self.coordinator_timeout)
 
     @property

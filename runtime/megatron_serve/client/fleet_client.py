@@ -92,7 +92,7 @@ class FleetClient(InferenceClient):
         if fleet is None:
             return
         stopped = False
-        if send_stop and self._connection.registered and not self._closed:
+        if send_stop and self._connection.registered and not self._link.closed:
             try:
                 await self.stop(timeout=120.0)
                 stopped = True
