@@ -13,9 +13,12 @@
 #                                            # graphs on), then its cost table; tests/invariance's Megatron-core
 #                                            # and TorchTitan recipes need their wheels in .whl (megatron-core,
 #                                            # torchtitan, spmd_types, tyro, docstring_parser, typeguard)
-#   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model and overlapped-verify tests
-#                                            # natively (the device-side correction under CUDA graphs), then
-#                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
+#   bash benchmarks/gpu_session.sh speculative # speculative decoding on the GPU (bf16, the pair trained there in
+#                                            # seconds): benchmarks/speculative.py's table, then its methods with K
+#                                            # pinned again under VLLM_BATCH_INVARIANT=1, where every row's tokens
+#                                            # must equal no speculation's (without the mode the verify forward's
+#                                            # other shape rounds bf16 differently, and some rows differ); the
+#                                            # speculative tests build CPU engines, so they run in CI, not here
 #   bash benchmarks/gpu_session.sh ep        # expert parallelism on this node's GPUs: the EP tests natively (NCCL),
 #                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
 #                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow); with
@@ -113,11 +116,12 @@ case ${1:-tests} in
     step batch_invariance 540 python3 benchmarks/batch_invariance.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 8 \
       --requests 128 --row-tiles 16,64 --served
     ;;
-  speculative)  # the trained pair (minutes to train on the device) with no speculation, n-gram and the draft
-    step pytest_speculative 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -rfE \
-      tests/engine/test_draft_model_proposer.py tests/engine/test_speculative_overlapped_verify.py
-    step speculative 540 python3 benchmarks/speculative.py --device cuda --dtype bfloat16 --concurrency 1,8,256 \
+  speculative)  # the control (default mode) first, then the invariant mode whose tokens must all be equal
+    step speculative 300 python3 benchmarks/speculative.py --device cuda --dtype bfloat16 --concurrency 1,8,256 \
       --threads 4 --cache-dir /tmp/speculative-pair
+    VLLM_BATCH_INVARIANT=1 step speculative_invariant 240 python3 benchmarks/speculative.py --device cuda \
+      --dtype bfloat16 --concurrency 1,8,256 --threads 4 --methods none,ngram/K,draft_model/K \
+      --cache-dir /tmp/speculative-pair
     ;;
   ep)  # sizes 2, 4, 8 up to the GPU count; one GPU runs the tests' CPU path (gloo) and the one-rank row only
     gpus=$(nvidia-smi -L | wc -l)
