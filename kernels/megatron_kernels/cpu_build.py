@@ -24,7 +24,7 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 
 #: Each source (``csrc/<name>.cpp``) and whether it is compiled with ``-ffast-math`` (:func:`compile_flags`).
-SOURCES = {"paged_attention_decode": True, "rotary_norm": False, "silu_and_mul": True}
+SOURCES = {"paged_attention": True, "rotary_norm": False, "silu_and_mul": True}
 
 logger = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ BACKENDS = ("triton", "cpu", "reference")
 #: The ops the ``cpu`` backend computes with a kernel of its own; the others are the reference's.
 CPU_OPS = {
     "paged_attention_decode": cpu_attention.paged_attention_decode,
+    "paged_attention_prefill": cpu_attention.paged_attention_prefill,
     "apply_rotary_write_kv_cache": cpu_rows.apply_rotary_write_kv_cache,
     "rms_norm": cpu_rows.rms_norm,
     "fused_add_rms_norm": cpu_rows.fused_add_rms_norm,

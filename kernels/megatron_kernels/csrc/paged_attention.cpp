@@ -1,0 +1,300 @@
+// Decode and prefill attention over the paged KV cache on a CPU, reading each key and value where it lies in the
+// pool.
+//
+// The PyTorch reference gathers every sequence's keys and values into a copy and multiplies the copy, so a
+// decode step moves the cache through memory three times; here each (sequence, KV head) walks its block table
+// and reads every key once for the scores and every value once for the output. The query heads that share a
+// KV head go together, so a key is loaded once for all of them.
+//
+// Each (sequence, KV head) is summed in one fixed order that depends on nothing but its own context, so a
+// row's result is the same whatever the batch around it (the engine's parity tests compare with ==).
+//
+// Prefill is the same walk for a chunk of query rows: the reference gathers each sequence into a copy, builds
+// a causal mask and calls torch's flash kernel once per sequence (about 0.7 ms a call at the offline
+// benchmark's 134 tokens, docs/design-measurements.md). Here a (sequence, KV head) copies its keys once,
+// transposed, so that a query row's scores come sixteen keys to a vector with no horizontal sums, and reads
+// the values in place. A query row's sums depend only on its own position and context: the same bits whether
+// its prompt came in one chunk or several, alone or beside others.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Strides in elements of one cache (keys or values), logical shape [blocks, block_size, kv_heads, head_dim]:
+// a pool stored heads first and one stored blocks first are both read in place.
+struct CacheView {
+  const float* data;
+  int64_t block, token, head;
+
+  const float* row(int64_t block_id, int64_t token_in_block, int64_t kv_head) const {
+    return data + block_id * block + token_in_block * token + kv_head * head;
+  }
+};
+
+CacheView view_of(const at::Tensor& cache) {
+  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+// One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
+// `query_stride`), written at `out` (head stride `out_stride`). `scores` holds group * length floats, `acc`
+// group * head_dim. kHeadDim > 0 fixes the width at compile time, so the compiler unrolls each row's
+// arithmetic into whole vector registers; 0 reads it from `runtime_dim`.
+template <int kHeadDim>
+void attend(const float* query, int64_t query_stride, float* out, int64_t out_stride, int64_t group,
+            int64_t runtime_dim, int64_t length, const int32_t* table, int64_t block_size, int64_t kv_head,
+            const CacheView& keys, const CacheView& values, float scale, float* scores, float* acc) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_dim;
+  if (length <= 0) {  // a padding row of a replayed step: attends to nothing, never read
+    for (int64_t g = 0; g < group; ++g)
+      std::fill(out + g * out_stride, out + g * out_stride + head_dim, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  for (int64_t t = 0; t < length; ++t) {
+    const float* key = keys.row(table[t / block_size], t % block_size, kv_head);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = query + g * query_stride;
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
+      scores[g * length + t] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * length;
+    const float top = *std::max_element(row, row + length);
+    float total = 0.f;
+    for (int64_t t = 0; t < length; ++t) {
+      row[t] = std::exp(row[t] - top);
+      total += row[t];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < length; ++t) row[t] *= inverse;
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = scores[g * length + t];
+      float* a = acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * value[d];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, out + g * out_stride);
+}
+
+// q [S, Hq, D], k_cache/v_cache [blocks, block_size, Hkv, D] (last dimension contiguous), block_tables [S, W]
+// int32, context_lens [S] int32, out [S, Hq, D]: all float32 on the CPU (the Python side checks).
+void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            const at::Tensor& out) {
+  const int64_t seqs = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const CacheView keys = view_of(k_cache), values = view_of(v_cache);
+  const float* queries = q.data_ptr<float>();
+  float* outputs = out.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  const int64_t width = block_tables.stride(0);
+  // The common head widths get their own unrolled code; any other runs the general loop.
+  auto* run = head_dim == 64 ? &attend<64> : head_dim == 128 ? &attend<128> : &attend<0>;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
+      const int64_t length = lengths[seq];
+      scores.resize(group * std::max<int64_t>(length, 1));
+      run(queries + seq * q.stride(0) + kv_head * group * q.stride(1), q.stride(1),
+          outputs + seq * out.stride(0) + kv_head * group * out.stride(1), out.stride(1), group, head_dim, length,
+          tables + seq * width, block_size, kv_head, keys, values, static_cast<float>(scale), scores.data(),
+          acc.data());
+    }
+  });
+}
+
+
+constexpr int64_t kKeysPerVector = 16;  // one 512-bit vector of float scores
+constexpr int64_t kTile = 8;            // query rows computed together: independent sums that share each load
+
+// A float buffer whose first element sits on a 64-byte line, so that the compiler's vector loops over it split
+// the same way at every call (where they split would otherwise follow the heap's addresses).
+struct AlignedFloats {
+  std::vector<float> storage;
+  float* resize(int64_t count) {
+    storage.resize(count + 16);
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    return storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+  }
+};
+
+// The keys 0..length of one sequence's KV head, transposed into `transposed` ([head_dim][padded length], the
+// padding zero), so that a query's dot products with sixteen keys are sixteen lanes of one vector.
+void transpose_keys(const CacheView& keys, const int32_t* table, int64_t block_size, int64_t kv_head,
+                    int64_t head_dim, int64_t length, int64_t padded, float* transposed) {
+  std::fill(transposed, transposed + head_dim * padded, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const float* key = keys.row(table[t / block_size], t % block_size, kv_head);
+    for (int64_t d = 0; d < head_dim; ++d) transposed[d * padded + t] = key[d];
+  }
+}
+
+// Sixteen floats in one vector (GCC's and Clang's vector extension, lowered to whatever width the CPU has).
+using Vec = float __attribute__((vector_size(64)));
+
+Vec load(const float* from) {
+  Vec v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+
+void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
+
+// Up to kTile query rows of one sequence's KV head (`queries[i]`, each seeing keys 0..visible[i], visible
+// ascending; a tile of fewer rows repeats its last query and drops what it computes): softmax(q k^T * scale) v
+// into `outs[i]`. `scores` holds kTile rows of `padded` floats, `acc` kTile rows of head_dim. Every row's sums
+// run in an order set by its own `visible` alone, never by the rows beside it: each score is one sum over the
+// head's width, each output width one sum over the keys in order.
+template <int kHeadDim>
+void attend_rows(const float* const* queries, float* const* outs, const int64_t* visible, int64_t count,
+                 int64_t runtime_dim, int64_t padded, const float* transposed, const int32_t* table,
+                 int64_t block_size, int64_t kv_head, const CacheView& values, float scale, float* scores,
+                 float* acc) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_dim;
+  const int64_t widest = visible[count - 1], narrowest = visible[0];
+  for (int64_t t0 = 0; t0 < widest; t0 += kKeysPerVector) {
+    Vec lanes[kTile] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const Vec column = load(transposed + d * padded + t0);
+      for (int64_t i = 0; i < kTile; ++i) lanes[i] += queries[i][d] * column;
+    }
+    for (int64_t i = 0; i < count; ++i) store(scores + i * padded + t0, lanes[i] * scale);
+  }
+  for (int64_t i = 0; i < kTile; ++i) {
+    float* row = scores + i * padded;
+    if (i >= count) {  // no row: weights of zero for the values loop below
+      std::fill(row, row + narrowest, 0.f);
+      continue;
+    }
+    const float top = *std::max_element(row, row + visible[i]);
+    float total = 0.f;
+    for (int64_t t = 0; t < visible[i]; ++t) {
+      row[t] = std::exp(row[t] - top);
+      total += row[t];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < visible[i]; ++t) row[t] *= inverse;
+  }
+  if constexpr (kHeadDim > 0 && kHeadDim % kKeysPerVector == 0) {
+    // The sums stay in registers: the values every row sees are loaded once for all of them, then each row
+    // takes its own last keys alone.
+    constexpr int64_t kVecs = kHeadDim / kKeysPerVector;
+    Vec sums[kTile][kVecs] = {};
+    for (int64_t t = 0; t < narrowest; ++t) {
+      const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+      Vec v[kVecs];
+      for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
+      for (int64_t i = 0; i < kTile; ++i) {
+        const float weight = scores[i * padded + t];
+        for (int64_t k = 0; k < kVecs; ++k) sums[i][k] += weight * v[k];
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t t = narrowest; t < visible[i]; ++t) {
+        const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+        const float weight = scores[i * padded + t];
+        for (int64_t k = 0; k < kVecs; ++k) sums[i][k] += weight * load(value + k * kKeysPerVector);
+      }
+      for (int64_t k = 0; k < kVecs; ++k) store(outs[i] + k * kKeysPerVector, sums[i][k]);
+    }
+  } else {  // any other width: the same sums, in memory
+    std::fill(acc, acc + kTile * head_dim, 0.f);
+    for (int64_t i = 0; i < count; ++i) {
+      float* a = acc + i * head_dim;
+      for (int64_t t = 0; t < visible[i]; ++t) {
+        const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+        const float weight = scores[i * padded + t];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * value[d];
+      }
+      std::copy(a, a + head_dim, outs[i]);
+    }
+  }
+}
+
+// q [T, Hq, D] packed chunks (sequence i's rows query_start_loc[i]..query_start_loc[i+1], the last positions
+// of its context_lens[i] cached tokens), caches and tables as for decode, out [T, Hq, D]: float32 on the CPU.
+void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& context_lens, double scale, const at::Tensor& out) {
+  const int64_t seqs = context_lens.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const CacheView keys = view_of(k_cache), values = view_of(v_cache);
+  const float* query_data = q.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  const int64_t width = block_tables.stride(0);
+  auto* run = head_dim == 64 ? &attend_rows<64> : head_dim == 128 ? &attend_rows<128> : &attend_rows<0>;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    AlignedFloats transposed, scores, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
+      const int64_t length = lengths[seq], first = starts[seq], rows = starts[seq + 1] - first;
+      auto query = [&](int64_t pair) {  // the query rows of this KV head, row-major: (row, head in the group)
+        return query_data + (first + pair / group) * q.stride(0) + (kv_head * group + pair % group) * q.stride(1);
+      };
+      auto output = [&](int64_t pair) {
+        return out_data + (first + pair / group) * out.stride(0) + (kv_head * group + pair % group) * out.stride(1);
+      };
+      if (length <= 0) {  // a padding sequence: attends to nothing, never read
+        for (int64_t pair = 0; pair < rows * group; ++pair)
+          std::fill(output(pair), output(pair) + head_dim, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      if (rows <= 0) continue;
+      const int64_t padded = (length + kKeysPerVector - 1) / kKeysPerVector * kKeysPerVector;
+      float* keys_t = transposed.resize(head_dim * padded);
+      float* score_rows = scores.resize(kTile * padded);
+      float* sums = acc.resize(kTile * head_dim);
+      const int32_t* table = tables + seq * width;
+      transpose_keys(keys, table, block_size, kv_head, head_dim, length, padded, keys_t);
+      for (int64_t pair = 0; pair < rows * group; pair += kTile) {
+        const int64_t count = std::min(kTile, rows * group - pair);
+        const float* tile_queries[kTile];
+        float* tile_outs[kTile];
+        int64_t visible[kTile];
+        for (int64_t i = 0; i < kTile; ++i) {
+          const int64_t row_pair = pair + std::min(i, count - 1);
+          tile_queries[i] = query(row_pair);
+          tile_outs[i] = output(row_pair);
+          visible[i] = length - rows + row_pair / group + 1;  // causal: its own position and every one before
+        }
+        run(tile_queries, tile_outs, visible, count, head_dim, padded, keys_t, table, block_size, kv_head, values,
+            static_cast<float>(scale), score_rows, sums);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_cpu, m) {
+  m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor context_lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megatron_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_attention_prefill", &paged_attention_prefill);
+}
