@@ -46,7 +46,8 @@ def test_env_forces_the_cpu_kernels(monkeypatch):
     monkeypatch.setenv("MEGATRON_KERNELS", "cpu")
     assert backend_for("cuda") == "cpu"
     assert get_op("paged_attention_decode", "cpu") is cpu_attention.paged_attention_decode
-    assert get_op("paged_attention_prefill", "cpu") is reference.paged_attention_prefill
+    assert get_op("paged_attention_prefill", "cpu") is cpu_attention.paged_attention_prefill
+    assert get_op("fused_moe", "cpu") is reference.fused_moe  # no CPU kernel of its own
 
 
 def test_bad_env_value_raises(monkeypatch):

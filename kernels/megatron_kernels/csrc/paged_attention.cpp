@@ -43,6 +43,29 @@ CacheView view_of(const at::Tensor& cache) {
   return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
+// One sequence's rows of one KV head in token order from `first`, walking its block table with no division per
+// token (a 64-bit division costs about what a key's arithmetic does at these widths).
+class RowWalk {
+ public:
+  RowWalk(const CacheView& cache, const int32_t* table, int64_t block_size, int64_t kv_head, int64_t first = 0)
+      : cache_(cache), table_(table), block_size_(block_size), kv_head_(kv_head), block_(first / block_size),
+        offset_(first % block_size) {}
+
+  const float* next() {
+    const float* row = cache_.row(table_[block_], offset_, kv_head_);
+    if (++offset_ == block_size_) {
+      offset_ = 0;
+      ++block_;
+    }
+    return row;
+  }
+
+ private:
+  const CacheView& cache_;
+  const int32_t* table_;
+  int64_t block_size_, kv_head_, block_, offset_;
+};
+
 // One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
 // `query_stride`), written at `out` (head stride `out_stride`). `scores` holds group * length floats, `acc`
 // group * head_dim. kHeadDim > 0 fixes the width at compile time, so the compiler unrolls each row's
@@ -57,8 +80,9 @@ void attend(const float* query, int64_t query_stride, float* out, int64_t out_st
       std::fill(out + g * out_stride, out + g * out_stride + head_dim, std::numeric_limits<float>::quiet_NaN());
     return;
   }
+  RowWalk key_rows(keys, table, block_size, kv_head);
   for (int64_t t = 0; t < length; ++t) {
-    const float* key = keys.row(table[t / block_size], t % block_size, kv_head);
+    const float* key = key_rows.next();
     for (int64_t g = 0; g < group; ++g) {
       const float* q = query + g * query_stride;
       float dot = 0.f;
@@ -78,8 +102,9 @@ void attend(const float* query, int64_t query_stride, float* out, int64_t out_st
     for (int64_t t = 0; t < length; ++t) row[t] *= inverse;
   }
   std::fill(acc, acc + group * head_dim, 0.f);
+  RowWalk value_rows(values, table, block_size, kv_head);
   for (int64_t t = 0; t < length; ++t) {
-    const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+    const float* value = value_rows.next();
     for (int64_t g = 0; g < group; ++g) {
       const float weight = scores[g * length + t];
       float* a = acc + g * head_dim;
@@ -139,8 +164,9 @@ struct AlignedFloats {
 void transpose_keys(const CacheView& keys, const int32_t* table, int64_t block_size, int64_t kv_head,
                     int64_t head_dim, int64_t length, int64_t padded, float* transposed) {
   std::fill(transposed, transposed + head_dim * padded, 0.f);
+  RowWalk rows(keys, table, block_size, kv_head);
   for (int64_t t = 0; t < length; ++t) {
-    const float* key = keys.row(table[t / block_size], t % block_size, kv_head);
+    const float* key = rows.next();
     for (int64_t d = 0; d < head_dim; ++d) transposed[d * padded + t] = key[d];
   }
 }
@@ -196,8 +222,9 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
     // takes its own last keys alone.
     constexpr int64_t kVecs = kHeadDim / kKeysPerVector;
     Vec sums[kTile][kVecs] = {};
+    RowWalk shared_rows(values, table, block_size, kv_head);
     for (int64_t t = 0; t < narrowest; ++t) {
-      const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+      const float* value = shared_rows.next();
       Vec v[kVecs];
       for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
       for (int64_t i = 0; i < kTile; ++i) {
@@ -206,8 +233,9 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
       }
     }
     for (int64_t i = 0; i < count; ++i) {
+      RowWalk own_rows(values, table, block_size, kv_head, narrowest);
       for (int64_t t = narrowest; t < visible[i]; ++t) {
-        const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+        const float* value = own_rows.next();
         const float weight = scores[i * padded + t];
         for (int64_t k = 0; k < kVecs; ++k) sums[i][k] += weight * load(value + k * kKeysPerVector);
       }
@@ -217,8 +245,9 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
     std::fill(acc, acc + kTile * head_dim, 0.f);
     for (int64_t i = 0; i < count; ++i) {
       float* a = acc + i * head_dim;
+      RowWalk rows(values, table, block_size, kv_head);
       for (int64_t t = 0; t < visible[i]; ++t) {
-        const float* value = values.row(table[t / block_size], t % block_size, kv_head);
+        const float* value = rows.next();
         const float weight = scores[i * padded + t];
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * value[d];
