@@ -114,39 +114,48 @@ void attend(const float* query, int64_t query_stride, float* out, int64_t out_st
   for (int64_t g = 0; g < group; ++g) std::copy(acc + g * head_dim, acc + (g + 1) * head_dim, out + g * out_stride);
 }
 
+// What both kernels read of a call: the cache's layout, the block tables and the context lengths.
+struct PagedCall {
+  int64_t head_dim, block_size, kv_heads, group, width;
+  CacheView keys, values;
+  const int32_t* tables;
+  const int32_t* lengths;
+};
+
+PagedCall paged_call(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const int64_t kv_heads = k_cache.size(2);
+  return {q.size(2), k_cache.size(1), kv_heads, q.size(1) / kv_heads, block_tables.stride(0), view_of(k_cache),
+          view_of(v_cache), block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>()};
+}
+
 // q [S, Hq, D], k_cache/v_cache [blocks, block_size, Hkv, D] (last dimension contiguous), block_tables [S, W]
 // int32, context_lens [S] int32, out [S, Hq, D]: all float32 on the CPU (the Python side checks).
 void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             const at::Tensor& out) {
-  const int64_t seqs = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads;
-  const CacheView keys = view_of(k_cache), values = view_of(v_cache);
+  const PagedCall call = paged_call(q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t seqs = q.size(0);
   const float* queries = q.data_ptr<float>();
   float* outputs = out.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lengths = context_lens.data_ptr<int32_t>();
-  const int64_t width = block_tables.stride(0);
   // The common head widths get their own unrolled code; any other runs the general loop.
-  auto* run = head_dim == 64 ? &attend<64> : head_dim == 128 ? &attend<128> : &attend<0>;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * head_dim);
+  auto* run = call.head_dim == 64 ? &attend<64> : call.head_dim == 128 ? &attend<128> : &attend<0>;
+  at::parallel_for(0, seqs * call.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(call.group * call.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
-      const int64_t length = lengths[seq];
-      scores.resize(group * std::max<int64_t>(length, 1));
-      run(queries + seq * q.stride(0) + kv_head * group * q.stride(1), q.stride(1),
-          outputs + seq * out.stride(0) + kv_head * group * out.stride(1), out.stride(1), group, head_dim, length,
-          tables + seq * width, block_size, kv_head, keys, values, static_cast<float>(scale), scores.data(),
-          acc.data());
+      const int64_t seq = item / call.kv_heads, kv_head = item % call.kv_heads;
+      const int64_t length = call.lengths[seq];
+      scores.resize(call.group * std::max<int64_t>(length, 1));
+      run(queries + seq * q.stride(0) + kv_head * call.group * q.stride(1), q.stride(1),
+          outputs + seq * out.stride(0) + kv_head * call.group * out.stride(1), out.stride(1), call.group,
+          call.head_dim, length, call.tables + seq * call.width, call.block_size, kv_head, call.keys, call.values,
+          static_cast<float>(scale), scores.data(), acc.data());
     }
   });
 }
 
-
 constexpr int64_t kKeysPerVector = 16;  // one 512-bit vector of float scores
-constexpr int64_t kTile = 8;            // query rows computed together: independent sums that share each load
+constexpr int64_t kTile = 4;            // query rows computed together: independent sums that share each load
 
 // A float buffer whose first element sits on a 64-byte line, so that the compiler's vector loops over it split
 // the same way at every call (where they split would otherwise follow the heap's addresses).
@@ -262,42 +271,38 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
 void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& context_lens, double scale, const at::Tensor& out) {
-  const int64_t seqs = context_lens.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads;
-  const CacheView keys = view_of(k_cache), values = view_of(v_cache);
+  const PagedCall call = paged_call(q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t seqs = context_lens.size(0);
   const float* query_data = q.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lengths = context_lens.data_ptr<int32_t>();
-  const int64_t width = block_tables.stride(0);
-  auto* run = head_dim == 64 ? &attend_rows<64> : head_dim == 128 ? &attend_rows<128> : &attend_rows<0>;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  auto* run = call.head_dim == 64 ? &attend_rows<64> : call.head_dim == 128 ? &attend_rows<128> : &attend_rows<0>;
+  at::parallel_for(0, seqs * call.kv_heads, 1, [&](int64_t begin, int64_t end) {
     AlignedFloats transposed, scores, acc;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
-      const int64_t length = lengths[seq], first = starts[seq], rows = starts[seq + 1] - first;
-      auto query = [&](int64_t pair) {  // the query rows of this KV head, row-major: (row, head in the group)
-        return query_data + (first + pair / group) * q.stride(0) + (kv_head * group + pair % group) * q.stride(1);
+      const int64_t seq = item / call.kv_heads, kv_head = item % call.kv_heads;
+      const int64_t length = call.lengths[seq], first = starts[seq], rows = starts[seq + 1] - first;
+      // Where a query row of this KV head sits in `q` or `out`: pairs run row-major, pair = row * group + head.
+      auto offset_of = [&](const at::Tensor& rows_of, int64_t pair) {
+        return (first + pair / call.group) * rows_of.stride(0) + (kv_head * call.group + pair % call.group) *
+               rows_of.stride(1);
       };
-      auto output = [&](int64_t pair) {
-        return out_data + (first + pair / group) * out.stride(0) + (kv_head * group + pair % group) * out.stride(1);
-      };
+      auto query = [&](int64_t pair) { return query_data + offset_of(q, pair); };
+      auto output = [&](int64_t pair) { return out_data + offset_of(out, pair); };
       if (length <= 0) {  // a padding sequence: attends to nothing, never read
-        for (int64_t pair = 0; pair < rows * group; ++pair)
-          std::fill(output(pair), output(pair) + head_dim, std::numeric_limits<float>::quiet_NaN());
+        for (int64_t pair = 0; pair < rows * call.group; ++pair)
+          std::fill(output(pair), output(pair) + call.head_dim, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
       if (rows <= 0) continue;
       const int64_t padded = (length + kKeysPerVector - 1) / kKeysPerVector * kKeysPerVector;
-      float* keys_t = transposed.resize(head_dim * padded);
+      float* keys_t = transposed.resize(call.head_dim * padded);
       float* score_rows = scores.resize(kTile * padded);
-      float* sums = acc.resize(kTile * head_dim);
-      const int32_t* table = tables + seq * width;
-      transpose_keys(keys, table, block_size, kv_head, head_dim, length, padded, keys_t);
-      for (int64_t pair = 0; pair < rows * group; pair += kTile) {
-        const int64_t count = std::min(kTile, rows * group - pair);
+      float* sums = acc.resize(kTile * call.head_dim);
+      const int32_t* table = call.tables + seq * call.width;
+      transpose_keys(call.keys, table, call.block_size, kv_head, call.head_dim, length, padded, keys_t);
+      for (int64_t pair = 0; pair < rows * call.group; pair += kTile) {
+        const int64_t count = std::min(kTile, rows * call.group - pair);
         const float* tile_queries[kTile];
         float* tile_outs[kTile];
         int64_t visible[kTile];
@@ -305,10 +310,10 @@ void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, con
           const int64_t row_pair = pair + std::min(i, count - 1);
           tile_queries[i] = query(row_pair);
           tile_outs[i] = output(row_pair);
-          visible[i] = length - rows + row_pair / group + 1;  // causal: its own position and every one before
+          visible[i] = length - rows + row_pair / call.group + 1;  // causal: its own position and every one before
         }
-        run(tile_queries, tile_outs, visible, count, head_dim, padded, keys_t, table, block_size, kv_head, values,
-            static_cast<float>(scale), score_rows, sums);
+        run(tile_queries, tile_outs, visible, count, call.head_dim, padded, keys_t, table, call.block_size, kv_head,
+            call.values, static_cast<float>(scale), score_rows, sums);
       }
     }
   });
