@@ -66,6 +66,17 @@ class RowWalk {
   int64_t block_size_, kv_head_, block_, offset_;
 };
 
+// A float buffer whose first element sits on a 64-byte line, so that the compiler's vector loops over it split
+// the same way at every call (where they split would otherwise follow the heap's addresses).
+struct AlignedFloats {
+  std::vector<float> storage;
+  float* resize(int64_t count) {
+    storage.resize(count + 16);
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    return storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+  }
+};
+
 // One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
 // `query_stride`), written at `out` (head stride `out_stride`). `scores` holds group * length floats, `acc`
 // group * head_dim. kHeadDim > 0 fixes the width at compile time, so the compiler unrolls each row's
@@ -141,15 +152,16 @@ void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, cons
   // The common head widths get their own unrolled code; any other runs the general loop.
   auto* run = call.head_dim == 64 ? &attend<64> : call.head_dim == 128 ? &attend<128> : &attend<0>;
   at::parallel_for(0, seqs * call.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(call.group * call.head_dim);
+    AlignedFloats scores;
+    std::vector<float> acc(call.group * call.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / call.kv_heads, kv_head = item % call.kv_heads;
       const int64_t length = call.lengths[seq];
-      scores.resize(call.group * std::max<int64_t>(length, 1));
+      float* score_rows = scores.resize(call.group * std::max<int64_t>(length, 1));
       run(queries + seq * q.stride(0) + kv_head * call.group * q.stride(1), q.stride(1),
           outputs + seq * out.stride(0) + kv_head * call.group * out.stride(1), out.stride(1), call.group,
           call.head_dim, length, call.tables + seq * call.width, call.block_size, kv_head, call.keys, call.values,
-          static_cast<float>(scale), scores.data(), acc.data());
+          static_cast<float>(scale), score_rows, acc.data());
     }
   });
 }
@@ -157,27 +169,17 @@ void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, cons
 constexpr int64_t kKeysPerVector = 16;  // one 512-bit vector of float scores
 constexpr int64_t kTile = 4;            // query rows computed together: independent sums that share each load
 
-// A float buffer whose first element sits on a 64-byte line, so that the compiler's vector loops over it split
-// the same way at every call (where they split would otherwise follow the heap's addresses).
-struct AlignedFloats {
-  std::vector<float> storage;
-  float* resize(int64_t count) {
-    storage.resize(count + 16);
-    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
-    return storage.data() + ((64 - address % 64) % 64) / sizeof(float);
-  }
-};
-
 // The keys 0..length of one sequence's KV head, transposed into `transposed` ([head_dim][padded length], the
-// padding zero), so that a query's dot products with sixteen keys are sixteen lanes of one vector.
+// padding zeroed), so that a query's dot products with sixteen keys are sixteen lanes of one vector.
 void transpose_keys(const CacheView& keys, const int32_t* table, int64_t block_size, int64_t kv_head,
                     int64_t head_dim, int64_t length, int64_t padded, float* transposed) {
-  std::fill(transposed, transposed + head_dim * padded, 0.f);
   RowWalk rows(keys, table, block_size, kv_head);
   for (int64_t t = 0; t < length; ++t) {
     const float* key = rows.next();
     for (int64_t d = 0; d < head_dim; ++d) transposed[d * padded + t] = key[d];
   }
+  for (int64_t d = 0; d < head_dim; ++d)  // the padding past the last key: scores computed there are never read
+    std::fill(transposed + d * padded + length, transposed + (d + 1) * padded, 0.f);
 }
 
 // Sixteen floats in one vector (GCC's and Clang's vector extension, lowered to whatever width the CPU has).
