@@ -51,7 +51,8 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_loads(model_dir):
     for text in TEXTS:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
-            assert ids == auto.encode(text, add_special_tokens=special), text
+            assert ids == auto.encode(text, add_special_tokens=special) == \
+                auto.hf_tokenizer.encode(text, add_special_tokens=special), text
             assert ours.hf_tokenizer(text, add_special_tokens=special)["input_ids"] == \
                 auto.hf_tokenizer(text, add_special_tokens=special)["input_ids"]
             assert ours.decode(ids, skip_special_tokens=special) == auto.decode(ids, skip_special_tokens=special)

@@ -80,14 +80,16 @@ class Tokenizer:
         Fast tokenizers encode through the Rust tokenizer's batch call, which releases the GIL while
         it works (other threads, the server's event loop among them, keep running), and the count is
         checked before the ids become a Python list: that conversion holds the GIL (for a long text, long
-        enough to stall the event loop), so a text too long for the context never pays it.
+        enough to stall the event loop), so a text too long for the context never pays it. The call is the
+        one that skips character offsets (the same ids; nothing here reads offsets): freeing a long text's
+        encoding holds the GIL too, and without offsets it frees in a fraction of the time.
         """
         if not self._tok.is_fast:
             ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens))
             if max_tokens is not None and len(ids) > max_tokens:
                 raise PromptTooLong(len(ids), max_tokens)
             return ids
-        encoding = self._tok.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        encoding = self._tok.backend_tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(encoding) > max_tokens:
             raise PromptTooLong(len(encoding), max_tokens)
         return encoding.ids
