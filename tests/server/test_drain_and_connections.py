@@ -154,7 +154,7 @@ async def test_connections_past_the_cap_get_a_fast_503_and_one_log_line(tokenize
         took = time.monotonic() - began
         assert all(a.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in a for a in answers), answers[0]
         assert json.loads(answers[0].partition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
-        assert took < 2, took
+        assert took < 5, took  # at once, not after the 30 s keep-alive the held ones get
         for _, writer in held[:5]:
             writer.close()
         await asyncio.sleep(0.2)

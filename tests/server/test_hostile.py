@@ -256,7 +256,7 @@ async def test_fifty_thousand_choices_and_a_grammar_of_a_megabyte(stack):
     record(stack, many, big, fine)
     error = openai_error(many, 400)
     assert error["param"] == "guided_choice" and f"at most {limits.max_guided_choices}" in error["message"]
-    assert took < 1.0, took
+    assert took < 3.0, took  # refused by size: not the 6-7 s of compiling them (a loaded CI host reads ~2x)
     error = openai_error(big, 400)
     assert error["param"] == "guided_grammar" and f"at most {limits.max_constraint_bytes} bytes" in error["message"]
     assert fine.status_code == 200 and fine.json()["choices"][0]["text"] in ("yes", "no"), fine.text
