@@ -12,14 +12,17 @@ oneDNN's call costs a fixed ~10 us more than MKL's, which a small layer's arithm
 weight is 7x slower through it at 8 rows), so only weights of ``ONEDNN_MIN_WEIGHT`` elements or more take it. The
 choice is the layer's, never the batch's, so that a row's arithmetic does not change with the rows beside it.
 
-A row's result does not depend on the other rows of the call, from two rows on (one row runs a matrix-vector
-kernel), as with MKL from four; ``--batch-invariant`` has its own GEMMs (:mod:`megatron_kernels.invariant`).
+A row's result does not depend on the other rows of the call from two rows on (one row runs a matrix-vector
+kernel) for a model's weight, which takes the blocked copy below; ``--batch-invariant`` has its own GEMMs
+(:mod:`megatron_kernels.invariant`). A plain weight does not promise it: the oneDNN of torch 2.11 on a GPU host's
+Xeon chose other kernels for 2-15 rows of it (torch 2.13 on the CPU machines did not).
 
 Called with a plain weight, oneDNN reorders it into its blocked layout on every call. A model's own weight (an
 ``nn.Parameter``) is reordered once instead, and the blocked copy kept beside it (the dense weights' memory twice
 over) until the weight is written: its version counter moves with every in-place write, a refit's included, so
-the next call reorders again. The blocked copy gives the same bits from two rows on (one row keeps the plain
-weight and its matrix-vector kernel); the figures are in docs/benchmarks.md.
+the next call reorders again. The blocked copy gives the plain weight's bits where oneDNN runs the same kernel for
+both (from 16 rows on every CPU measured; one row keeps the plain weight and its matrix-vector kernel); the figures
+are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

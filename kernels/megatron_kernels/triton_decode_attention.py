@@ -23,7 +23,9 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+# A micro-batch's decode rows are slices of the step's metadata at any row (engine.micro_batches): no variant per
+# address alignment (see the prefill kernel).
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,

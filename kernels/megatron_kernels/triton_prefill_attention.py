@@ -22,7 +22,11 @@ from .triton_kv_cache import check_cache, fit_to_cache
 from .triton_paged_attention import LOG2E, attend, attention_strides
 
 
-@triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"])
+# The step's metadata arrives as slices that start past its decode rows (``seq_lens[num_decode:]``): their address
+# is a multiple of 16 bytes or not with the decode count, and Triton would compile a variant for each (a mixed
+# step's first odd decode count compiled one mid-serving on an H200). Scalar loads gain nothing from it.
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "context_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr,

@@ -7,6 +7,7 @@ key (what a GPU compiles one binary for); on a GPU Triton's own compile hook cou
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -50,13 +51,16 @@ def serve_varied(llm: MegatronLLM) -> None:
 
 # qwen2_moe only: serving it launches every kernel serving llama does (decode, prefill, rms_norm, rotary,
 # silu_and_mul) plus the MoE grouped GEMM; the llama case (17 CPU-s under the interpreter) was dropped.
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="records the Triton interpreter's launches (on a GPU the next test counts real compiles)")
 @pytest.mark.parametrize("arch", ["qwen2_moe"])
 def test_serving_meets_no_kernel_variant_the_sweep_missed(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_KERNELS", "triton")
     # one layer: every layer launches the same kernel variants (the same sets with two, checked), at half the cost
     model_dir = str(make_tiny_model(tmp_path / arch, seed=5, arch=arch, num_layers=1))
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, max_batch_tokens=48,
-                                                 max_requests=6, max_sequence_length=96, num_kv_blocks=40))
+    llm = MegatronLLM(model_dir, InferenceConfig(device="cpu", dtype="float32", block_size_tokens=8,
+                                                 max_batch_tokens=48, max_requests=6, max_sequence_length=96,
+                                                 num_kv_blocks=40))
     engine = llm.engine
     with recorded_variants() as swept:
         compile_kernels(engine.worker.runner.run_plan, engine.worker.runner.buffers, engine.kv_cache.layer_caches, 8)
@@ -84,4 +88,4 @@ def test_no_triton_compile_after_start_up_on_a_gpu(tiny_llama):
         serve_varied(llm)
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
-    assert compiles == []
+    assert not compiles, "compiled while serving:\n" + "\n".join(compiles)

@@ -41,11 +41,12 @@ def test_a_lone_row_is_caught() -> None:
 
 
 def test_an_engine_refuses_the_mode_where_the_probe_fails(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = InferenceConfig(batch_invariant=True, num_kv_blocks=16, device="cpu")  # a GPU engine has its own kernels
     monkeypatch.setattr(invariant_probe, "_row_counts", lambda: (1, invariant.row_tile()))
     with pytest.raises(UnsupportedModelError, match=r"--batch-invariant: this CPU.s GEMMs change a row.s bits.*a linear"):
-        DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(batch_invariant=True, num_kv_blocks=16))
+        DynamicInferenceEngine.from_model_dir(tiny_model, config)
     monkeypatch.undo()
-    engine = DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(batch_invariant=True, num_kv_blocks=16))
+    engine = DynamicInferenceEngine.from_model_dir(tiny_model, config)
     assert engine.config.batch_invariant  # the real probe passes here
 
 
