@@ -389,7 +389,13 @@ async def test_stack_is_healthy_and_nothing_accumulated(stack):
     assert not [s for s in stack.statuses if s >= 500], sorted(set(stack.statuses))
     output = stack.log.read_text(errors="replace")
     assert "Traceback" not in output and "socket.send() raised exception" not in output, output[-3000:]
-    samples = [line.split() for line in stack.probe_log.read_text().splitlines()]
+    # the probe's sample that began after the last case: it is written once both of its probes answered
+    last_case_ended, deadline = max(e for _, e in stack.cases.values()), time.monotonic() + 30
+    while True:
+        samples = [line.split() for line in stack.probe_log.read_text().splitlines()]
+        if float(samples[-1][0]) >= last_case_ended or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     latencies = [float(s[1]) for s in samples]
     own = [float(s[1]) - float(s[4]) for s in samples]  # less the server's waits for a CPU
     failures = [s for s in samples if s[2] != "200"]
