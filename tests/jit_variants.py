@@ -3,9 +3,8 @@
 A GPU compiles one binary per variant: the kernel, its constexpr values, its launch options, the value
 class (1, a multiple of 16, other) of each integer argument it specializes on and whether each tensor's
 address is a multiple of 16 bytes (a slice that starts at an odd row of a small-element tensor is not).
-The interpreter
-compiles nothing, so on CPU the same key is recorded at every launch instead: a variant first seen
-after the engine's start-up sweep is one a GPU would have compiled mid-serving.
+The interpreter compiles nothing, so on CPU the same key is recorded at every launch instead: a variant
+first seen after the engine's start-up sweep is one a GPU would have compiled mid-serving.
 """
 
 from __future__ import annotations
