@@ -42,7 +42,7 @@ def test_the_kernels_build_here_and_the_cpu_backend_serves_attention_with_them(m
 
 
 @pytest.mark.parametrize(("block_size", "kv_heads", "group", "dim"),
-                         [(16, 4, 2, 64), (16, 2, 1, 128), (32, 2, 4, 80), (8, 3, 3, 16)])
+                         [(16, 4, 2, 64), (16, 2, 1, 128), (32, 2, 4, 80), (8, 3, 3, 16), (32, 2, 6, 64)])
 def test_decode_is_the_reference_within_rounding_over_both_layouts(block_size, kv_heads, group, dim):
     lengths = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 130, 17]
     q, plain, heads_first, tables, lens = _case(lengths, block_size, kv_heads, group, dim)

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -32,7 +33,7 @@ namespace {
 // a pool stored heads first and one stored blocks first are both read in place.
 struct CacheView {
   const float* data;
-  int64_t block, token, head;
+  int64_t block, token, head, row_bytes;
 
   const float* row(int64_t block_id, int64_t token_in_block, int64_t kv_head) const {
     return data + block_id * block + token_in_block * token + kv_head * head;
@@ -40,19 +41,29 @@ struct CacheView {
 };
 
 CacheView view_of(const at::Tensor& cache) {
-  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2)};
+  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2),
+          cache.size(3) * static_cast<int64_t>(sizeof(float))};
 }
 
-// One sequence's rows of one KV head in token order from `first`, walking its block table with no division per
-// token (a 64-bit division costs about what a key's arithmetic does at these widths).
+// One sequence's rows of one KV head in token order from `first` up to `length`, walking its block table with no
+// division per token (a 64-bit division costs about what a key's arithmetic does at these widths).
+//
+// Each row read asks for the row at the same place one block ahead. A block's rows of one head are one 4 KB page in
+// a heads-first pool, and the blocks of a sequence lie anywhere in it: the hardware prefetcher starts over at every
+// page, so without the hint each block began with misses the core waited out (docs/design-measurements.md).
 class RowWalk {
  public:
-  RowWalk(const CacheView& cache, const int32_t* table, int64_t block_size, int64_t kv_head, int64_t first = 0)
+  RowWalk(const CacheView& cache, const int32_t* table, int64_t block_size, int64_t kv_head, int64_t length,
+          int64_t first = 0)
       : cache_(cache), table_(table), block_size_(block_size), kv_head_(kv_head), block_(first / block_size),
-        offset_(first % block_size) {}
+        offset_(first % block_size), last_block_((length + block_size - 1) / block_size - 1) {}
 
   const float* next() {
     const float* row = cache_.row(table_[block_], offset_, kv_head_);
+    if (block_ < last_block_) {
+      const char* ahead = reinterpret_cast<const char*>(cache_.row(table_[block_ + 1], offset_, kv_head_));
+      for (int64_t line = 0; line < cache_.row_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+    }
     if (++offset_ == block_size_) {
       offset_ = 0;
       ++block_;
@@ -63,7 +74,7 @@ class RowWalk {
  private:
   const CacheView& cache_;
   const int32_t* table_;
-  int64_t block_size_, kv_head_, block_, offset_;
+  int64_t block_size_, kv_head_, block_, offset_, last_block_;
 };
 
 // A float buffer whose first element sits on a 64-byte line, so that the compiler's vector loops over it split
@@ -77,47 +88,147 @@ struct AlignedFloats {
   }
 };
 
-// One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
-// `query_stride`), written at `out` (head stride `out_stride`). `scores` holds group * length floats, `acc`
-// group * head_dim. kHeadDim > 0 fixes the width at compile time, so the compiler unrolls each row's
-// arithmetic into whole vector registers; 0 reads it from `runtime_dim`.
-template <int kHeadDim>
-void attend(const float* query, int64_t query_stride, float* out, int64_t out_stride, int64_t group,
-            int64_t runtime_dim, int64_t length, const int32_t* table, int64_t block_size, int64_t kv_head,
-            const CacheView& keys, const CacheView& values, float scale, float* scores, float* acc) {
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_dim;
-  if (length <= 0) {  // a padding row of a replayed step: attends to nothing, never read
-    for (int64_t g = 0; g < group; ++g)
-      std::fill(out + g * out_stride, out + g * out_stride + head_dim, std::numeric_limits<float>::quiet_NaN());
-    return;
+// Sixteen floats in one vector (GCC's and Clang's vector extension, lowered to whatever width the CPU has).
+using Vec = float __attribute__((vector_size(64)));
+using Lanes = int32_t __attribute__((vector_size(64)));
+constexpr int64_t kKeysPerVector = 16;  // one 512-bit vector of float scores
+
+Vec load(const float* from) {
+  Vec v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+
+void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
+
+// The lanes `kLane...` of a and b side by side (0-15 a's, 16-31 b's).
+template <int... kLane>
+Vec pick(const Vec& a, const Vec& b) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, kLane...);
+#else
+  return __builtin_shuffle(a, b, Lanes{kLane...});
+#endif
+}
+
+// Where lane `lane` of one halving step reads its first addend: lanes pair up `half` apart within runs of
+// 2 * half, a's runs filling the first half of each output run and b's the second.
+constexpr int first_addend(int half, int lane) {
+  const int run = lane / (2 * half) * 2 * half, place = lane % (2 * half);
+  return place < half ? run + place : 16 + run + place - half;
+}
+
+template <int kHalf, int... kLane>
+Vec halve(const Vec& a, const Vec& b, std::integer_sequence<int, kLane...>) {
+  return pick<first_addend(kHalf, kLane)...>(a, b) + pick<(first_addend(kHalf, kLane) + kHalf)...>(a, b);
+}
+
+// Sixteen keys' products with one query, a vector per key (lanes across the head's width), summed across lanes
+// into one vector of the sixteen scores: four halving steps add each key's lanes 8, 4, 2 and 1 apart (the order
+// a horizontal sum takes), so that key j's score lands in lane j when `partial[i]` holds key kBitReversed[i].
+Vec sixteen_sums(const Vec* partial) {
+  constexpr auto lanes = std::make_integer_sequence<int, 16>{};
+  Vec eight[8], four[4], two[2];
+  for (int i = 0; i < 8; ++i) eight[i] = halve<8>(partial[2 * i], partial[2 * i + 1], lanes);
+  for (int i = 0; i < 4; ++i) four[i] = halve<4>(eight[2 * i], eight[2 * i + 1], lanes);
+  for (int i = 0; i < 2; ++i) two[i] = halve<2>(four[2 * i], four[2 * i + 1], lanes);
+  return halve<1>(two[0], two[1], lanes);
+}
+
+constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// softmax of `row[0..length)` in place.
+void softmax(float* row, int64_t length) {
+  const float top = *std::max_element(row, row + length);
+  float total = 0.f;
+  for (int64_t t = 0; t < length; ++t) {
+    row[t] = std::exp(row[t] - top);
+    total += row[t];
   }
-  RowWalk key_rows(keys, table, block_size, kv_head);
+  const float inverse = 1.f / total;
+  for (int64_t t = 0; t < length; ++t) row[t] *= inverse;
+}
+
+// NaN in `out`'s `group` heads (head stride `out_stride`): a padding row of a replayed step attends to nothing
+// and is never read.
+void fill_nan(float* out, int64_t out_stride, int64_t group, int64_t head_dim) {
+  for (int64_t g = 0; g < group; ++g)
+    std::fill(out + g * out_stride, out + g * out_stride + head_dim, std::numeric_limits<float>::quiet_NaN());
+}
+
+// One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
+// `query_stride`), written at `out` (head stride `out_stride`), for a head width of whole vectors. Sixteen keys'
+// scores come out of sixteen products as one vector (no horizontal sum per key), and the output sums of four
+// query heads at a time stay in registers while the values stream past. `scores` holds group rows of `padded`
+// floats (length rounded up to sixteen).
+template <int kHeadDim>
+void attend_vectors(const float* query, int64_t query_stride, float* out, int64_t out_stride, int64_t group,
+                    int64_t length, const int32_t* table, int64_t block_size, int64_t kv_head,
+                    const CacheView& keys, const CacheView& values, float scale, float* scores, int64_t padded) {
+  constexpr int64_t kVecs = kHeadDim / kKeysPerVector;
+  constexpr int64_t kHeads = 4;  // query heads whose output sums share the registers
+  RowWalk key_rows(keys, table, block_size, kv_head, length);
+  const float* rows[kKeysPerVector];
+  for (int64_t t0 = 0; t0 < length; t0 += kKeysPerVector) {
+    const int64_t count = std::min(kKeysPerVector, length - t0);
+    for (int64_t i = 0; i < count; ++i) rows[i] = key_rows.next();
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = query + g * query_stride;
+      Vec partial[kKeysPerVector];
+      for (int64_t i = 0; i < kKeysPerVector; ++i) {
+        const int key = kBitReversed[i];
+        if (key >= count) {  // past the last key: a score never read
+          partial[i] = Vec{};
+          continue;
+        }
+        Vec sum = load(q) * load(rows[key]);
+        for (int64_t k = 1; k < kVecs; ++k) sum += load(q + k * kKeysPerVector) * load(rows[key] + k * kKeysPerVector);
+        partial[i] = sum;
+      }
+      store(scores + g * padded + t0, sixteen_sums(partial) * scale);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, length);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    Vec sums[kHeads][kVecs] = {};
+    RowWalk value_rows(values, table, block_size, kv_head, length);
+    for (int64_t t = 0; t < length; ++t) {
+      const float* value = value_rows.next();
+      Vec v[kVecs];
+      for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float weight = scores[(g0 + h) * padded + t];
+        for (int64_t k = 0; k < kVecs; ++k) sums[h][k] += weight * v[k];
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t k = 0; k < kVecs; ++k) store(out + (g0 + h) * out_stride + k * kKeysPerVector, sums[h][k]);
+  }
+}
+
+// attend_vectors for any other head width: one score per key, the output sums in `acc` (group * head_dim).
+void attend_any_width(const float* query, int64_t query_stride, float* out, int64_t out_stride, int64_t group,
+                      int64_t head_dim, int64_t length, const int32_t* table, int64_t block_size, int64_t kv_head,
+                      const CacheView& keys, const CacheView& values, float scale, float* scores, int64_t padded,
+                      float* acc) {
+  RowWalk key_rows(keys, table, block_size, kv_head, length);
   for (int64_t t = 0; t < length; ++t) {
     const float* key = key_rows.next();
     for (int64_t g = 0; g < group; ++g) {
       const float* q = query + g * query_stride;
       float dot = 0.f;
       for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
-      scores[g * length + t] = dot * scale;
+      scores[g * padded + t] = dot * scale;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * length;
-    const float top = *std::max_element(row, row + length);
-    float total = 0.f;
-    for (int64_t t = 0; t < length; ++t) {
-      row[t] = std::exp(row[t] - top);
-      total += row[t];
-    }
-    const float inverse = 1.f / total;
-    for (int64_t t = 0; t < length; ++t) row[t] *= inverse;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, length);
   std::fill(acc, acc + group * head_dim, 0.f);
-  RowWalk value_rows(values, table, block_size, kv_head);
+  RowWalk value_rows(values, table, block_size, kv_head, length);
   for (int64_t t = 0; t < length; ++t) {
     const float* value = value_rows.next();
     for (int64_t g = 0; g < group; ++g) {
-      const float weight = scores[g * length + t];
+      const float weight = scores[g * padded + t];
       float* a = acc + g * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * value[d];
     }
@@ -150,30 +261,40 @@ void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, cons
   const float* queries = q.data_ptr<float>();
   float* outputs = out.data_ptr<float>();
   // The common head widths get their own unrolled code; any other runs the general loop.
-  auto* run = call.head_dim == 64 ? &attend<64> : call.head_dim == 128 ? &attend<128> : &attend<0>;
+  auto* run = call.head_dim == 64 ? &attend_vectors<64> : call.head_dim == 128 ? &attend_vectors<128> : nullptr;
   at::parallel_for(0, seqs * call.kv_heads, 1, [&](int64_t begin, int64_t end) {
     AlignedFloats scores;
     std::vector<float> acc(call.group * call.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / call.kv_heads, kv_head = item % call.kv_heads;
       const int64_t length = call.lengths[seq];
-      float* score_rows = scores.resize(call.group * std::max<int64_t>(length, 1));
-      run(queries + seq * q.stride(0) + kv_head * call.group * q.stride(1), q.stride(1),
-          outputs + seq * out.stride(0) + kv_head * call.group * out.stride(1), out.stride(1), call.group,
-          call.head_dim, length, call.tables + seq * call.width, call.block_size, kv_head, call.keys, call.values,
-          static_cast<float>(scale), score_rows, acc.data());
+      const float* query = queries + seq * q.stride(0) + kv_head * call.group * q.stride(1);
+      float* output = outputs + seq * out.stride(0) + kv_head * call.group * out.stride(1);
+      if (length <= 0) {
+        fill_nan(output, out.stride(1), call.group, call.head_dim);
+        continue;
+      }
+      const int64_t padded = (length + kKeysPerVector - 1) / kKeysPerVector * kKeysPerVector;
+      float* score_rows = scores.resize(call.group * padded);
+      const int32_t* table = call.tables + seq * call.width;
+      if (run != nullptr)
+        run(query, q.stride(1), output, out.stride(1), call.group, length, table, call.block_size, kv_head,
+            call.keys, call.values, static_cast<float>(scale), score_rows, padded);
+      else
+        attend_any_width(query, q.stride(1), output, out.stride(1), call.group, call.head_dim, length, table,
+                         call.block_size, kv_head, call.keys, call.values, static_cast<float>(scale), score_rows,
+                         padded, acc.data());
     }
   });
 }
 
-constexpr int64_t kKeysPerVector = 16;  // one 512-bit vector of float scores
 constexpr int64_t kTile = 4;            // query rows computed together: independent sums that share each load
 
 // The keys 0..length of one sequence's KV head, transposed into `transposed` ([head_dim][padded length], the
 // padding zeroed), so that a query's dot products with sixteen keys are sixteen lanes of one vector.
 void transpose_keys(const CacheView& keys, const int32_t* table, int64_t block_size, int64_t kv_head,
                     int64_t head_dim, int64_t length, int64_t padded, float* transposed) {
-  RowWalk rows(keys, table, block_size, kv_head);
+  RowWalk rows(keys, table, block_size, kv_head, length);
   for (int64_t t = 0; t < length; ++t) {
     const float* key = rows.next();
     for (int64_t d = 0; d < head_dim; ++d) transposed[d * padded + t] = key[d];
@@ -181,17 +302,6 @@ void transpose_keys(const CacheView& keys, const int32_t* table, int64_t block_s
   for (int64_t d = 0; d < head_dim; ++d)  // the padding past the last key: scores computed there are never read
     std::fill(transposed + d * padded + length, transposed + (d + 1) * padded, 0.f);
 }
-
-// Sixteen floats in one vector (GCC's and Clang's vector extension, lowered to whatever width the CPU has).
-using Vec = float __attribute__((vector_size(64)));
-
-Vec load(const float* from) {
-  Vec v;
-  std::memcpy(&v, from, sizeof v);
-  return v;
-}
-
-void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
 
 // Up to kTile query rows of one sequence's KV head (`queries[i]`, each seeing keys 0..visible[i], visible
 // ascending; a tile of fewer rows repeats its last query and drops what it computes): softmax(q k^T * scale) v
@@ -219,21 +329,14 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
       std::fill(row, row + narrowest, 0.f);
       continue;
     }
-    const float top = *std::max_element(row, row + visible[i]);
-    float total = 0.f;
-    for (int64_t t = 0; t < visible[i]; ++t) {
-      row[t] = std::exp(row[t] - top);
-      total += row[t];
-    }
-    const float inverse = 1.f / total;
-    for (int64_t t = 0; t < visible[i]; ++t) row[t] *= inverse;
+    softmax(row, visible[i]);
   }
   if constexpr (kHeadDim > 0 && kHeadDim % kKeysPerVector == 0) {
     // The sums stay in registers: the values every row sees are loaded once for all of them, then each row
     // takes its own last keys alone.
     constexpr int64_t kVecs = kHeadDim / kKeysPerVector;
     Vec sums[kTile][kVecs] = {};
-    RowWalk shared_rows(values, table, block_size, kv_head);
+    RowWalk shared_rows(values, table, block_size, kv_head, widest);
     for (int64_t t = 0; t < narrowest; ++t) {
       const float* value = shared_rows.next();
       Vec v[kVecs];
@@ -244,7 +347,7 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
       }
     }
     for (int64_t i = 0; i < count; ++i) {
-      RowWalk own_rows(values, table, block_size, kv_head, narrowest);
+      RowWalk own_rows(values, table, block_size, kv_head, widest, narrowest);
       for (int64_t t = narrowest; t < visible[i]; ++t) {
         const float* value = own_rows.next();
         const float weight = scores[i * padded + t];
@@ -256,7 +359,7 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
     std::fill(acc, acc + kTile * head_dim, 0.f);
     for (int64_t i = 0; i < count; ++i) {
       float* a = acc + i * head_dim;
-      RowWalk rows(values, table, block_size, kv_head);
+      RowWalk rows(values, table, block_size, kv_head, widest);
       for (int64_t t = 0; t < visible[i]; ++t) {
         const float* value = rows.next();
         const float weight = scores[i * padded + t];
