@@ -156,6 +156,23 @@ void fill_nan(float* out, int64_t out_stride, int64_t group, int64_t head_dim) {
     std::fill(out + g * out_stride, out + g * out_stride + head_dim, std::numeric_limits<float>::quiet_NaN());
 }
 
+// For the keys `from` to `to` of `rows`, adds weight * value to the output sums of up to kRows query rows: row h's
+// weights at scores + h * padded, its sums in `sums[h]` (the first `used` rows; the rest stay as they are).
+template <int64_t kVecs, int64_t kRows>
+void add_weighted_values(RowWalk& rows, int64_t from, int64_t to, const float* scores, int64_t padded,
+                         int64_t used, Vec (*sums)[kVecs]) {
+  for (int64_t t = from; t < to; ++t) {
+    const float* value = rows.next();
+    Vec v[kVecs];
+    for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
+    for (int64_t h = 0; h < kRows; ++h) {
+      if (h >= used) break;
+      const float weight = scores[h * padded + t];
+      for (int64_t k = 0; k < kVecs; ++k) sums[h][k] += weight * v[k];
+    }
+  }
+}
+
 // One sequence's KV head: softmax(q k^T * scale) v for the `group` query heads at `query` (head stride
 // `query_stride`), written at `out` (head stride `out_stride`), for a head width of whole vectors. Sixteen keys'
 // scores come out of sixteen products as one vector (no horizontal sum per key), and the output sums of four
@@ -193,15 +210,7 @@ void attend_vectors(const float* query, int64_t query_stride, float* out, int64_
     const int64_t heads = std::min(kHeads, group - g0);
     Vec sums[kHeads][kVecs] = {};
     RowWalk value_rows(values, table, block_size, kv_head, length);
-    for (int64_t t = 0; t < length; ++t) {
-      const float* value = value_rows.next();
-      Vec v[kVecs];
-      for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
-      for (int64_t h = 0; h < heads; ++h) {
-        const float weight = scores[(g0 + h) * padded + t];
-        for (int64_t k = 0; k < kVecs; ++k) sums[h][k] += weight * v[k];
-      }
-    }
+    add_weighted_values<kVecs, kHeads>(value_rows, 0, length, scores + g0 * padded, padded, heads, sums);
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t k = 0; k < kVecs; ++k) store(out + (g0 + h) * out_stride + k * kKeysPerVector, sums[h][k]);
   }
@@ -337,22 +346,10 @@ void attend_rows(const float* const* queries, float* const* outs, const int64_t*
     constexpr int64_t kVecs = kHeadDim / kKeysPerVector;
     Vec sums[kTile][kVecs] = {};
     RowWalk shared_rows(values, table, block_size, kv_head, widest);
-    for (int64_t t = 0; t < narrowest; ++t) {
-      const float* value = shared_rows.next();
-      Vec v[kVecs];
-      for (int64_t k = 0; k < kVecs; ++k) v[k] = load(value + k * kKeysPerVector);
-      for (int64_t i = 0; i < kTile; ++i) {
-        const float weight = scores[i * padded + t];
-        for (int64_t k = 0; k < kVecs; ++k) sums[i][k] += weight * v[k];
-      }
-    }
+    add_weighted_values<kVecs, kTile>(shared_rows, 0, narrowest, scores, padded, kTile, sums);
     for (int64_t i = 0; i < count; ++i) {
       RowWalk own_rows(values, table, block_size, kv_head, widest, narrowest);
-      for (int64_t t = narrowest; t < visible[i]; ++t) {
-        const float* value = own_rows.next();
-        const float weight = scores[i * padded + t];
-        for (int64_t k = 0; k < kVecs; ++k) sums[i][k] += weight * load(value + k * kKeysPerVector);
-      }
+      add_weighted_values<kVecs, 1>(own_rows, narrowest, visible[i], scores + i * padded, padded, 1, sums + i);
       for (int64_t k = 0; k < kVecs; ++k) store(outs[i] + k * kKeysPerVector, sums[i][k]);
     }
   } else {  // any other width: the same sums, in memory
