@@ -297,7 +297,7 @@ void paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 }
 
-constexpr int64_t kTile = 4;            // query rows computed together: independent sums that share each load
+constexpr int64_t kTile = 4;  // query rows computed together: independent sums that share each load
 
 // The keys 0..length of one sequence's KV head, transposed into `transposed` ([head_dim][padded length], the
 // padding zeroed), so that a query's dot products with sixteen keys are sixteen lanes of one vector.
