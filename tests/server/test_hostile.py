@@ -36,6 +36,7 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands import local_runs
 from megatron_serve.limits import FIRST_REQUEST_IDLE, RequestLimits
 
+from ..helpers import until
 from ..processes import stop_process_group
 from .test_openai_e2e import free_port
 
@@ -390,12 +391,14 @@ async def test_stack_is_healthy_and_nothing_accumulated(stack):
     output = stack.log.read_text(errors="replace")
     assert "Traceback" not in output and "socket.send() raised exception" not in output, output[-3000:]
     # the probe's sample that began after the last case: it is written once both of its probes answered
-    last_case_ended, deadline = max(e for _, e in stack.cases.values()), time.monotonic() + 30
-    while True:
+    last_case_ended = max(e for _, e in stack.cases.values())
+
+    def samples_past_the_last_case() -> list[list[str]] | None:
         samples = [line.split() for line in stack.probe_log.read_text().splitlines()]
-        if float(samples[-1][0]) >= last_case_ended or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.05)
+        return samples if samples and float(samples[-1][0]) >= last_case_ended else None
+
+    samples = await until(samples_past_the_last_case, 30, "the health probe's sample begun after the last case",
+                          interval=0.05)
     latencies = [float(s[1]) for s in samples]
     own = [float(s[1]) - float(s[4]) for s in samples]  # less the server's waits for a CPU
     failures = [s for s in samples if s[2] != "200"]
