@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_tenants
+from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_speculative, crd_tenants
 from .crd_fields import free_field, int_field, obj_field, str_field
 
 GROUP = "serving.megatron.dev"
@@ -166,6 +166,13 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         lambda lora: len({a["name"] for a in lora.get("adapters", [])}) == len(lora.get("adapters", [])),
     ),
     (
+        "spec.lora",
+        "!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras",
+        "lora.maxCpuLoras must be at least lora.maxLoras (every adapter in a device slot is also held in host "
+        "memory; the engines refuse fewer)",
+        lambda lora: "maxCpuLoras" not in lora or int(lora["maxCpuLoras"]) >= int(lora.get("maxLoras", 1)),
+    ),
+    (
         "spec.model",
         "!has(self.volume) || size(self.volume) == 1",
         "model.volume must name exactly one volume source, e.g. {persistentVolumeClaim: {claimName: models}}",
@@ -174,7 +181,7 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
 ]
 
 CEL_RULES += (crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES
-              + crd_tenants.CEL_RULES)
+              + crd_tenants.CEL_RULES + crd_speculative.CEL_RULES)
 
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
@@ -273,30 +280,8 @@ def spec_schema() -> dict[str, Any]:
                                       "engine pods.",
                                       enum=list(KV_CACHE_DTYPES), default="auto"),
             **crd_kv_tiers.kv_tier_fields(),
-            "speculative": obj_field(
-                "Speculative decoding (--speculative-config; docs/speculative.md): a proposer guesses the next "
-                "tokens and the engine verifies them in one forward; the output is the same as without it. Absent: "
-                "off. Changing it rolls the engine pods.",
-                {
-                    "method": str_field("ngram: prompt lookup in the request's own tokens; draft_model: a smaller "
-                                        "model of the same vocabulary at `model`; mtp: the checkpoint's own "
-                                        "multi-token-prediction layer (num_nextn_predict_layers); eagle3: an "
-                                        "EAGLE-3 head at `model`.",
-                                        enum=["ngram", "draft_model", "mtp", "eagle3"]),
-                    "numSpeculativeTokens": int_field("Tokens guessed per request and step (the most, with "
-                                                      "adaptive).", minimum=1, maximum=16, default=3),
-                    "promptLookupMin": int_field("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
-                    "promptLookupMax": int_field("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
-                    "model": str_field("draft_model, eagle3: the draft model's or EAGLE-3 head's directory in the "
-                                       "engine pods (required for them).",
-                                       minLength=1),
-                    "adaptive": {"type": "boolean",  # no default: absent keeps pod templates as they were
-                                 "description": "Default true: each engine picks K (0 up to numSpeculativeTokens) "
-                                                "per request and step from its measured acceptance and step cost, "
-                                                "0 where drafts do not pay; false: always numSpeculativeTokens."},
-                },
-                required=["method"],
-            ),
+            "speculative": {**crd_speculative.speculative_schema(),
+                            "x-kubernetes-validations": _rules_for("spec.engine.speculative")},
             "parallelism": {**crd_layout.parallelism_schema(),
                             "x-kubernetes-validations": _rules_for("spec.engine.parallelism")},
             "disaggregation": crd_disaggregation.disaggregation_schema(),

@@ -246,6 +246,19 @@ BAD = {
     "two layouts that disagree": (
         lambda d: d["spec"]["engine"].update(parallelism={"tensor": 4}),  # spec.parallelism.tensor is 2
         "spec: parallelism.tensor is the older spelling of engine.parallelism.tensor"),
+    "lookup window upside down": (
+        lambda d: d["spec"]["engine"].update(speculative={"method": "ngram", "promptLookupMin": 4,
+                                                          "promptLookupMax": 2}),
+        "spec.engine.speculative: engine.speculative.promptLookupMin must not exceed"),
+    "draft method without its model": (
+        lambda d: d["spec"]["engine"].update(speculative={"method": "draft_model"}),
+        "spec.engine.speculative: engine.speculative.model is required for method draft_model and eagle3"),
+    "mtp with a model": (
+        lambda d: d["spec"]["engine"].update(speculative={"method": "mtp", "model": "/models/draft"}),
+        "spec.engine.speculative: engine.speculative.model must be unset for method mtp"),
+    "fewer host adapters than device slots": (
+        lambda d: d["spec"].update(lora={"maxLoras": 4, "maxCpuLoras": 2}),
+        "spec.lora: lora.maxCpuLoras must be at least lora.maxLoras"),
     "name too long": (lambda d: d["metadata"].update(name="a" * 41),
                       "(root): metadata.name must be at most 40 characters"),
     "name starting with a digit": (lambda d: d["metadata"].update(name="7b-model"),
@@ -307,7 +320,13 @@ def test_python_twins_agree_with_cel():
         "spec.lora": [{**({"volume": vol} if vol is not None else {}),
                        "adapters": [{"name": name, "path": "/a"} for name in names]}
                       for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})
-                      for names in ((), ("a",), ("a", "b"), ("a", "a"), ("a", "b", "a"))],
+                      for names in ((), ("a",), ("a", "b"), ("a", "a"), ("a", "b", "a"))]
+        + [{"adapters": [], "maxLoras": slots, **({} if host is None else {"maxCpuLoras": host})}
+           for slots in (1, 4) for host in (None, 1, 4, 8)],
+        "spec.engine.speculative": [{"method": method, "promptLookupMin": low, "promptLookupMax": high,
+                                     **({} if model is None else {"model": model})}
+                                    for method in ("ngram", "draft_model", "mtp", "eagle3")
+                                    for low, high in ((1, 3), (3, 3), (4, 2)) for model in (None, "/models/d")],
     }
     for where, rule, _, check in crd.CEL_RULES:
         program = env.program(env.compile(rule))
