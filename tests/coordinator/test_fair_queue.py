@@ -13,6 +13,7 @@ from collections import Counter
 import msgspec
 
 from megatron_serve.coordinator.fair_queue import FairQueue
+from megatron_serve.coordinator.requests import Phase
 from megatron_serve.wire.messages import EngineStep, RequestDelta, Submit
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.tenancy import TenantTag
@@ -177,3 +178,25 @@ def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
     assert len(record.generated_tokens) == 2
     h.core.requests.forget(record)  # its client gone: the table drops it unfinished
     assert h.core.requests.fair.counts["b"] == (6 + 2) / 3
+
+
+def test_promoted_requests_count_in_their_promoted_band_so_an_engine_holds_a_bounded_number():
+    """The fan-out of issue 86: a tenant's queue far deeper than the fleet's room, promoted after waiting. Room counted
+    by each request's own class let every promoted request find room (the ones dispatched before it counted in a worse
+    band), so the whole queue went to one engine; counted by the band each was sent in, an engine takes at most its
+    limit per band."""
+    h = CoreHarness(dispatch_factor=1.0, heartbeat_timeout=1e6, stall_timeout=1e6)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=2)
+    bulk = TenantTag("bulk", "sheddable")
+    for i in range(200):
+        submit(h, f"s{i}", bulk, tokens=1000)
+    assert len(dispatched(h)) == 2  # its own band's room
+    h.advance(31.0)  # every waiting one counts as standard now
+    assert len(dispatched(h)) == 2  # standard's room, not the 198 waiting
+    h.advance(30.0)  # critical
+    assert len(dispatched(h)) == 2
+    h.advance(300.0)  # no better band than critical: nothing more until one finishes
+    assert dispatched(h) == []
+    assert h.core.requests.count(Phase.QUEUED) == 194
+    engine.queue.clear()

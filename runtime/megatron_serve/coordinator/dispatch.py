@@ -6,7 +6,9 @@ now (of those, the ones already serving the request's LoRA adapter, when any doe
 ``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
 little more than an engine runs at once, so that its next step never waits for the coordinator). A request
 of a tenant (:mod:`.fair_queue`) counts only the assigned requests of its band or better against that limit,
-so that a better class reaches an engine that lower ones fill, where it preempts one of them.
+so that a better class reaches an engine that lower ones fill, where it preempts one of them. A request counts in
+the band it was dispatched in (a promoted one in the band it was promoted to: :mod:`.assigned`), so an engine holds
+at most that limit per band whatever waits.
 
 Placement (:mod:`.placement`) comes first: a request pinned to a data-parallel rank goes to its engine whatever its
 room (or fails when that engine is gone), and a session's request to its session's engine when the policy would
@@ -74,11 +76,12 @@ def dispatch(core: Dispatching, now: float) -> None:
             engine = core.engines.get(record.pinned)
             if engine is not None and engine not in eligible:
                 return  # draining (it will leave: then it fails) or loading the fleet's weights: held
+            band = table.head_band
             table.pop_queued()
             if engine is None:
                 core.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
             else:
-                send(core, record, engine, now)
+                send(core, record, engine, now, band)
                 if not room(engine) and engine in candidates:
                     candidates.remove(engine)
             continue
@@ -98,20 +101,22 @@ def dispatch(core: Dispatching, now: float) -> None:
         engine = core.engines[chosen.engine_id]
         if session is not None:
             core.sessions.bind(session, engine.engine_id, now)
+        band = table.head_band
         table.pop_queued()
-        send(core, record, engine, now)
+        send(core, record, engine, now, band)
         if not room(engine) and engine in candidates:
             candidates.remove(engine)
 
 
-def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float) -> None:
-    """Dispatch the queued request the table just popped to ``engine``."""
+def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float, band: int | None) -> None:
+    """Dispatch the queued request the table just popped to ``engine``, counted there in ``band`` (None: its own class's,
+    ``standard`` for an untenanted request)."""
     if record.params.tenant is not None:
         core.requests.fair.charge(record)
     core.requests.dispatched(record, engine.engine_id)
     if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
         engine.stall_clock = now
-    engine.assigned.add(record.request_id)
+    engine.assigned.add(record.request_id, band_of(record.params.tenant) if band is None else band)
     blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
     for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
         core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
@@ -121,7 +126,4 @@ def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: fl
 def band_room(core: CoreView, engine: EngineRecord, band: int) -> bool:
     """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
     ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
-    records = core.requests.records
-    held = sum(1 for key in engine.assigned if (record := records.get(key)) is not None
-               and band_of(record.params.tenant) <= band)
-    return held < max(1, int(engine.capacity * core.dispatch_factor))
+    return engine.assigned.held(band) < max(1, int(engine.capacity * core.dispatch_factor))

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..wire.lifecycle import ENGINE_DRAINING, FleetState
 from ..wire.protocol import Role
+from .assigned import Assigned
 from .routing import engine_slot, served_adapters
 
 
@@ -32,7 +33,7 @@ class EngineRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     last_heartbeat: float = field(default_factory=time.time)  # wall clock, for humans
     last_seen: float = field(default_factory=time.monotonic)  # for the heartbeat timeout
-    assigned: set[str] = field(default_factory=set)
+    assigned: Assigned = field(default_factory=Assigned)  # its requests, counted by the band each was sent in
     completed: int = 0  # requests this engine finished (for STATUS and balance checks)
     epoch: int = 0  # generation of the weights it serves (from its HELLO, then its REFIT acks)
     weights: str | None = None  # where those weights came from

@@ -1,0 +1,57 @@
+"""The requests dispatched to one engine, each with the band it was dispatched in, counted per band.
+
+Dispatch asks of every candidate engine whether it has room for a request of some band, counting only the requests
+it holds of that band or better (:func:`~.dispatch.band_room`). Counting them by scanning the engine's requests made
+that question cost as much as the engine held, once per engine per queued request; and counting each by its tenant's
+own class ignored that a request promoted after waiting (:mod:`.fair_queue`) was dispatched in a better band, so a
+queue of promoted requests always found room and went out whole, past every engine's limit. Here each request keeps
+the band it was sent in, and the counts per band are kept as requests come and go: the question costs the number of
+bands.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..wire.tenancy import CLASSES, STANDARD_BAND
+
+
+class Assigned:
+    """Request keys of one engine, with the band each was dispatched in (a set's interface, plus :meth:`held`)."""
+
+    __slots__ = ("_bands", "_counts")
+
+    def __init__(self) -> None:
+        self._bands: dict[str, int] = {}
+        self._counts = [0] * len(CLASSES)
+
+    def add(self, key: str, band: int = STANDARD_BAND) -> None:
+        """Count ``key`` in ``band`` (again in its new band if it was held already)."""
+        self.discard(key)
+        self._bands[key] = band
+        self._counts[band] += 1
+
+    def discard(self, key: str) -> None:
+        band = self._bands.pop(key, None)
+        if band is not None:
+            self._counts[band] -= 1
+
+    def clear(self) -> None:
+        self._bands.clear()
+        self._counts = [0] * len(CLASSES)
+
+    def held(self, band: int) -> int:
+        """How many requests were dispatched here in ``band`` or a better one."""
+        return sum(self._counts[: band + 1])
+
+    def __len__(self) -> int:
+        return len(self._bands)
+
+    def __bool__(self) -> bool:
+        return bool(self._bands)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._bands
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._bands)
