@@ -36,6 +36,7 @@ from .kube import Kube
 from .lifecycle_walk import walk
 from .reconcile import Event, Reconciler, group_ready
 from .refit_policy import recorded_model, sync_weights
+from .scheduling import unschedulable
 from .spec import InferenceSpec, SpecError, parse
 
 logger = logging.getLogger("megatron_operator")
@@ -175,6 +176,9 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
                      for g in range(spec.data)]
     if spec.gang:
         obs.groups = await observe_gangs(kube, spec, workload, previous, events)
+    if obs.engines_ready < obs.engines_desired:
+        obs.engines_unschedulable = unschedulable(
+            await kube.list("v1", "Pod", namespace, names.engine_pod_selector(name)))
     connected = connected_groups(coordinator_status) if obs.coordinator_ok else set()
     obs.engines_connected = len({g for g in connected if 0 <= g < spec.data})
     new = status.compute(previous, obs)

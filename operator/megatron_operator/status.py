@@ -36,6 +36,7 @@ class Observation:
     engines_desired: int = 0
     engines_ready: int = 0
     engines_connected: int = 0
+    engines_unschedulable: str = ""  # why engine pods wait (the scheduler's reason; :mod:`.scheduling`)
     endpoint: str | None = None
     selector: str | None = None
     model: dict[str, Any] | None = None  # status.model: the weights served (kept as it was when None)
@@ -54,6 +55,16 @@ def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason
     if generation is not None:
         cond["observedGeneration"] = generation
     return cond
+
+
+def _engines_condition(previous: dict[str, dict[str, Any]], obs: Observation, ok: bool, generation: int | None,
+                       now: str) -> dict[str, Any]:
+    message = (f"{obs.engines_ready}/{obs.engines_desired} engine groups ready, "
+               f"{obs.engines_connected} connected to the coordinator")
+    reason = "AllReady" if ok else "NotReady"
+    if not ok and obs.engines_unschedulable:
+        reason, message = "Unschedulable", f"{message}; {obs.engines_unschedulable}"
+    return _condition(previous, "EnginesReady", ok, reason, message, generation, now)
 
 
 def _phase(obs: Observation, previous_phase: str | None, previous_generation: int | None,
@@ -112,10 +123,7 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
         "CoordinatorReady": _condition(prev_conditions, "CoordinatorReady", obs.coordinator_ok,
                                        "Reachable" if obs.coordinator_ok else "Unreachable",
                                        obs.coordinator_message, gen, now),
-        "EnginesReady": _condition(
-            prev_conditions, "EnginesReady", engines_ok, "AllReady" if engines_ok else "NotReady",
-            f"{obs.engines_ready}/{obs.engines_desired} engine groups ready, "
-            f"{obs.engines_connected} connected to the coordinator", gen, now),
+        "EnginesReady": _engines_condition(prev_conditions, obs, engines_ok, gen, now),
         "LifecycleSynced": _condition(
             prev_conditions, "LifecycleSynced", synced,
             "Synced" if synced else ("Failed" if obs.lifecycle_error else "Pending"),

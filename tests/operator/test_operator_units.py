@@ -86,6 +86,30 @@ def test_status_phases_and_stable_timestamps():
     assert shutdown["phase"] == "Shutdown"
 
 
+def _pod(name: str, phase: str, scheduled: dict[str, str] | None) -> dict[str, Any]:
+    conditions = [] if scheduled is None else [{"type": "PodScheduled", **scheduled}]
+    return {"metadata": {"name": name}, "status": {"phase": phase, "conditions": conditions}}
+
+
+def test_unschedulable_engine_pods_say_why_in_engines_ready():
+    """The scheduler's reason on Pending pods reaches the EnginesReady condition; placed pods, and pods the
+    scheduler has not tried yet, say nothing."""
+    from megatron_operator.scheduling import unschedulable
+
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    stuck = {"status": "False", "reason": "Unschedulable", "message": why}
+    assert unschedulable([_pod("a-0", "Running", {"status": "True"}), _pod("a-1", "Pending", None)]) == ""
+    assert unschedulable([_pod("a-1", "Pending", stuck), _pod("a-0", "Running", {"status": "True"})]) == \
+        f"pod a-1 cannot be scheduled: {why}"
+    many = unschedulable([_pod(f"a-{i}", "Pending", stuck) for i in range(5)])
+    assert many.startswith("pods a-0, a-1, a-2 and 2 more cannot be scheduled: ")
+    waiting = status.compute(None, obs(engines_ready=0, engines_unschedulable=f"pod a-1 cannot be scheduled: {why}"))
+    cond = next(c for c in waiting["conditions"] if c["type"] == "EnginesReady")
+    assert cond["reason"] == "Unschedulable" and why in cond["message"] and cond["message"].startswith("0/2 engine")
+    ready = status.compute(None, obs(engines_unschedulable="stale"))  # every group ready: no reason to give
+    assert next(c for c in ready["conditions"] if c["type"] == "EnginesReady")["reason"] == "AllReady"
+
+
 def test_status_for_an_invalid_spec_keeps_what_was_known():
     ready = status.compute(None, obs(), now="2026-01-01T00:00:00Z")
     failed = status.compute(ready, status.Observation(generation=2, spec_error="spec.x: bad"))
