@@ -80,12 +80,18 @@ run: $(RUNTIME)
 # of the project's modules, and where PYTHONDONTWRITEBYTECODE is set (as on this machine) each one compiled them
 # again (0.3-0.4 s of CPU a process). The suite itself runs without PYTHONDONTWRITEBYTECODE: pytest keeps its rewritten
 # test modules only where Python may write bytecode, and each worker rewrote all 650 of them (11 s of CPU) every run.
+# It needs what it runs (verl's venv too), so a fresh clone's `make test` builds it all. What the suite writes to the
+# temporary directory (pytest's tmp_path folders, some 4 GB a run, kept for three runs; multiprocessing's pymp-*
+# folders) goes under a TMPDIR of its own, removed when the suite ends, Ctrl-C included (the shell waits for pytest).
+# Under CI (CI=true) -vv names each test as it ends.
 TEST_WORKERS ?= 3
-TEST_ARGS ?=
-test: $(TESTING)
+TEST_ARGS ?= $(if $(CI),-vv)
+test: $(TESTING) $(VERL_INSTALLED)
 	$(PY) -m compileall -q runtime operator kernels tests > /dev/null
-	env -u PYTHONDONTWRITEBYTECODE TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		--durations=10 $(TEST_ARGS)
+	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
+	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
+		--durations=10 $(TEST_ARGS); \
+	status=$$?; rm -rf "$$tmp"; exit $$status
 
 test-fast: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"

@@ -1,0 +1,92 @@
+"""The README's second command, ``make test``, on a fresh clone: it builds everything the suite runs (verl's venv
+too), cleans up what the suite wrote to the temporary directory, however the suite ends, and CI runs exactly it.
+
+The recipe runs for real (GNU make, /bin/sh) with the interpreter replaced by a stand-in script that does what pytest
+does to the temporary directory (a tmp_path folder, a multiprocessing ``pymp-*`` folder) and then fails or waits
+for Ctrl-C: the suite itself is too long to run here. ``-o`` keeps make from reinstalling the venvs on its account.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+from tests.server.fakes import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALLED = (".venv/.installed-runtime", ".venv/.installed-test", ".venv-verl/.installed")
+
+# What pytest does to TMPDIR, then exit 3 (tests failed), or wait for SIGINT and exit 2 as pytest does.
+STAND_IN = """#!/bin/sh
+case "$*" in *compileall*) exit 0 ;; esac
+echo "$TMPDIR" > "{record}"
+mkdir -p "$TMPDIR/pytest-of-me/pytest-0/test_a0" "$TMPDIR/pymp-abc/listener-x"
+case "{mode}" in
+  fail) exit 3 ;;
+  wait) trap 'exit 2' INT; touch "{record}.waiting"; while :; do sleep 0.05; done ;;
+esac
+"""
+
+
+def make_test(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
+    """``make test`` with the stand-in interpreter (``mode``: ``fail`` or ``wait``); the file it records TMPDIR in."""
+    record = tmp_path / "tmpdir"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN.format(record=record, mode=mode))
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
+    keep = [arg for path in INSTALLED for arg in ("-o", path)]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    env.pop("CI", None)
+    proc = subprocess.Popen(["make", "-C", str(ROOT), "--no-print-directory", *keep, "test", f"PY={stand_in}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    return proc, record
+
+
+def test_a_fresh_clone_builds_verls_venv_for_the_suite(tmp_path):
+    """On a clone without ``.venv-verl`` (here: pointed elsewhere), ``make test`` builds it before the suite runs
+    (tests/integrations/test_verl.py needs it; only ``make setup`` built it, and CI ran that first)."""
+    dry = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "-n", "test",
+                          f"VERL_VENV={tmp_path / 'venv-verl'}"], capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    built = next(i for i, line in enumerate(lines) if "uv venv" in line and str(tmp_path / "venv-verl") in line)
+    suite = next(i for i, line in enumerate(lines) if "-m pytest" in line)
+    assert built < suite, dry.stdout
+
+
+def test_what_the_suite_wrote_to_the_temporary_directory_goes_when_it_fails(tmp_path):
+    proc, record = make_test(tmp_path, "fail")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output  # the suite's failure is make's
+    suite_tmp = Path(record.read_text().strip())
+    assert suite_tmp.parent == tmp_path and suite_tmp != tmp_path, suite_tmp  # a directory of its own, under TMPDIR
+    assert not suite_tmp.exists(), list(suite_tmp.rglob("*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["python", "tmpdir"]
+
+
+def test_what_the_suite_wrote_goes_after_ctrl_c_too(tmp_path):
+    proc, record = make_test(tmp_path, "wait")
+    try:
+        wait_until(lambda: Path(f"{record}.waiting").exists(), 60, "the stand-in suite to start")
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal (or CI's timeout -s INT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, output
+    suite_tmp = Path(record.read_text().strip())
+    assert not suite_tmp.exists(), list(suite_tmp.rglob("*"))
+
+
+def test_ci_runs_exactly_the_readmes_make_test():
+    """No setup step of its own before it (one hid that ``make test`` did not build verl's venv)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "make test   #" in readme
+    commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    makes = [line for line in commands if "make " in line]
+    assert makes == ["timeout -s INT -k 120 80m make test"], makes
