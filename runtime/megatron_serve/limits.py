@@ -143,6 +143,10 @@ class RequestLimits:
       a tokenizer thread spends seconds on it. It counts
       all prompts of a request, or all message text of a chat.
     * ``max_n`` 128: OpenAI's own maximum; each choice is an engine request.
+    * ``max_choices`` 16,384 engine requests (prompts x ``n``) per request: the other limits bound each field, not
+      their product, and one 40 KB completion of 5,000 prompts x ``n`` 32 asked the fleet for 160,000 engine
+      requests at once (issue 86). 16,384 is 128 prompts at OpenAI's most choices, or a batch of 16,384 prompts; a
+      larger batch is split into requests by its client (as OpenAI's batch of prompts is).
     * ``max_stop`` 16 stop strings of at most ``max_stop_chars`` 256 characters: the engine looks
       for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
     * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
@@ -176,6 +180,9 @@ class RequestLimits:
         "help": f"most prompt characters per request, checked before tokenization (default: "
                 f"{PROMPT_CHARS_PER_CONTEXT_TOKEN} x the context length in tokens)"})
     max_n: int = field(default=128, metadata={"flag": "--max-n", "help": "most choices (n) per request"})
+    max_choices: int = field(default=16_384, metadata={
+        "flag": "--max-choices", "help": "most choices of all prompts together per request (prompts x n): each is "
+                                         "an engine request"})
     max_stop: int = field(default=16, metadata={"flag": "--max-stop", "help": "most stop strings per request"})
     max_stop_chars: int = field(default=256, metadata={
         "flag": "--max-stop-chars", "help": "longest stop string, in characters"})

@@ -159,6 +159,28 @@ async def test_requests_over_a_limit_are_refused_before_tokenization(tokenizer, 
             assert counting.calls == 0 and backend.submitted == [], number
 
 
+async def test_prompts_times_n_over_max_choices_is_refused_before_tokenization(tokenizer, backend):
+    """Issue 86's request: 5,000 prompts x n 32 (160,000 engine requests in 40 KB) is a 400 naming --max-choices by
+    default; a request at the limit passes, one over it by prompts alone or by n is refused, nothing tokenized."""
+    counting = CountingTokenizer(tokenizer)
+    async with serving(make_app(counting, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        fan_out = await http.post("/v1/completions", json={"model": MODEL, "prompt": ["x"] * 5000, "n": 32,
+                                                            "max_tokens": 1})
+        error = assert_error(fan_out, 400, "n", "too_many_choices")
+        assert "160000 choices (5000 prompts x n=32)" in error["message"], error
+        assert "maximum of 16384 per request (--max-choices)" in error["message"], error
+        assert counting.calls == 0 and backend.submitted == []
+    limits = RequestLimits(max_choices=6)
+    async with serving(make_app(counting, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
+        for fields, param in (({"prompt": ["x"] * 4, "n": 2}, "n"), ({"prompt": [[1, 2]] * 7}, "prompt")):
+            assert_error(await http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, **fields}), 400,
+                         param, "too_many_choices")
+        assert counting.calls == 0 and backend.submitted == []
+        fits = await http.post("/v1/completions", json={"model": MODEL, "prompt": ["x"] * 3, "n": 2, "max_tokens": 1})
+        assert fits.status_code == 200, fits.text
+        assert len(backend.submitted) == 6
+
+
 async def test_a_constraint_that_takes_too_long_to_check_is_a_400_that_says_so(tokenizer, backend):
     """The check has a deadline: past it the request is refused and nothing reaches an engine."""
     grammar = "start: " + " | ".join(f'"c{i}"' for i in range(20_000))  # checked in 0.4 s on an idle core

@@ -212,6 +212,44 @@ async def test_max_concurrent_refuses_a_second_request_while_the_first_runs(toke
         assert (await http.post("/v1/completions", json=body(), headers=bearer("key-b"))).status_code == 200
 
 
+FAN_OUT = """
+tenants:
+  bulk: {class: standard, max_concurrent: 4, requests_per_minute: 10}
+keys:
+  - {key: key-bulk, tenant: bulk}
+"""
+
+
+async def test_every_tenant_limit_counts_engine_requests_prompts_times_n(tokenizer):
+    """Issue 86: a request of 160,000 engine requests counted as one against max_concurrent 64. Now 2 prompts x n 2
+    hold 4 of max_concurrent 4 and take 4 of requests_per_minute 10; more than a limit could ever hold is a 400
+    naming it."""
+    backend = FakeBackend(tokenizer)
+    backend.gate.clear()  # the first request's engine requests wait in the fleet
+    app, clock = app_with(tokenizer, backend, document=FAN_OUT)
+    key = bearer("key-bulk")
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        import asyncio
+
+        never = await http.post("/v1/completions", json=body(prompt=["a", "b", "c"], n=2), headers=key)
+        assert never.status_code == 400 and never.json()["error"]["code"] == "over_tenant_limit"
+        assert "asks for 6 engine requests (prompts x n)" in never.json()["error"]["message"]
+        assert "max_concurrent of 4" in never.json()["error"]["message"]
+        first = asyncio.ensure_future(http.post("/v1/completions", json=body(prompt=["a", "b"], n=2), headers=key))
+        while len(backend.submitted) < 4:
+            await asyncio.sleep(0.01)
+        refused = await http.post("/v1/completions", json=body(), headers=key)
+        assert refused.status_code == 429 and "max_concurrent (4 engine requests in progress)" in refused.text
+        backend.gate.set()
+        assert (await first).status_code == 200
+        assert (await http.post("/v1/completions", json=body(n=4), headers=key)).status_code == 200
+        refused = await http.post("/v1/completions", json=body(n=4), headers=key)  # 8 of 10 taken this minute
+        assert refused.status_code == 429 and "requests_per_minute" in refused.text
+        clock.now += int(refused.headers["Retry-After"])
+        assert (await http.post("/v1/completions", json=body(n=4), headers=key)).status_code == 200
+    assert len(backend.submitted) == 12
+
+
 class SaturatedBackend(FakeBackend):
     """Its one engine has ``waiting`` requests queued and ``used`` of 64 KV blocks in use."""
 

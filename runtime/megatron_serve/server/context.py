@@ -15,7 +15,7 @@ from .errors import shutting_down
 from .backend import Backend
 from .fleet import FleetMonitor
 from .generation import PendingCounter, Submission
-from .intake import Workers
+from .intake import Workers, check_choices
 from .live import LiveSubmissions
 from .metrics import ServerMetrics
 from .request_log import RequestLog
@@ -84,6 +84,7 @@ class ServerContext:
         ``label``: the response id (``cmpl-...``, ``chatcmpl-...``), which the request log names."""
         if self.stopping.is_set():
             raise shutting_down()
+        check_choices(len(jobs), self.limits.max_choices)  # every route's (completions' was checked on its body)
         ticket = None if self.tenancy is None else self.tenancy.admit(jobs)  # 429, 503; tags the jobs
         try:
             submission = Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label,

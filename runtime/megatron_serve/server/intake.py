@@ -139,6 +139,9 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
     """Refuse a request over the limits before it is tokenized, rendered or submitted."""
     if req.n is not None and req.n > limits.max_n:
         raise bad_request(f"n is {req.n}; this server allows at most {limits.max_n} choices per request", param="n")
+    if isinstance(req, CompletionRequest):
+        prompts, n = _prompt_count(req.prompt), req.n or 1
+        check_choices(prompts * n, limits.max_choices, f" ({prompts} prompts x n={n})", "n" if n > 1 else "prompt")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > limits.max_stop:
         raise bad_request(f"stop holds {len(stops)} strings; this server allows at most {limits.max_stop}",
@@ -167,6 +170,23 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {tokens_param} asks "
                             f"for {requested} (the prompt needs at least one token too). Please reduce {tokens_param}.",
                        param=tokens_param, code="context_length_exceeded")
+
+
+def check_choices(count: int, limit: int, detail: str = "", param: str = "n") -> None:
+    """A request asks for ``count`` engine requests (prompts x ``n``; ``detail`` says how they multiply): past
+    ``--max-choices`` it is a 400 naming the limit, before anything is tokenized or submitted."""
+    if count > limit:
+        raise bad_request(f"This request asks for {count} choices{detail}, more than the maximum of {limit} per "
+                          "request (--max-choices). Please send fewer prompts or reduce n.", param=param,
+                          code="too_many_choices")
+
+
+def _prompt_count(prompt: Any) -> int:
+    """Prompts in a validated completion ``prompt``: a string or one list of token ids is one, a list of strings or
+    of id lists one each."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt: bool = False) -> Cost:

@@ -8,7 +8,9 @@ the request's engine requests are submitted (``ServerContext.submit``), on every
 
 * a ``sheddable`` request while the fleet is saturated (:class:`Saturation`) gets a 503 before it costs anything;
 * over a limit, a 429 whose ``Retry-After`` is when the limit has room for it again (a request honouring it
-  succeeds, unless others of its tenant used the room first); a request that can never fit a limit is a 400;
+  succeeds, unless others of its tenant used the room first); a request that can never fit a limit is a 400. Every
+  limit counts engine requests (prompts x ``n``), what the fleet runs: one HTTP request of 160,000 of them counted
+  as one against ``max_concurrent`` 64 and stalled the fleet (issue 86);
 * otherwise its cost is reserved (a request slot, its prompt tokens and the most it may generate) and its engine
   requests are tagged (``SamplingParams.tenant``). The :class:`Ticket` settles the reservation with what each
   engine request used when it finishes, counts the tenant's series, and frees its slot when the request ends.
@@ -127,15 +129,17 @@ class Saturation:
 class Ticket:
     """One admitted request's reservation: counted per engine request (:meth:`finished`), settled and freed once
     (:meth:`close`: one change to the budgets per request, which a store shared between processes pays for).
-    ``limited``: whether its tenant has limits (its reservation is in the tenancy's budgets)."""
+    ``limited``: whether its tenant has limits (its reservation is in the tenancy's budgets); ``slots``: its engine
+    requests, what it holds of its tenant's ``max_concurrent``."""
 
-    __slots__ = ("tenancy", "tenant", "limited", "label", "closed", "unused")
+    __slots__ = ("tenancy", "tenant", "limited", "label", "slots", "closed", "unused")
 
-    def __init__(self, tenancy: "Tenancy", tenant: Tenant, limited: bool, label: str) -> None:
+    def __init__(self, tenancy: "Tenancy", tenant: Tenant, limited: bool, label: str, slots: int) -> None:
         self.tenancy = tenancy
         self.tenant = tenant
         self.limited = limited
         self.label = label
+        self.slots = slots
         self.closed = False
         self.unused = 0  # reserved tokens the finished engine requests did not generate
 
@@ -151,7 +155,7 @@ class Ticket:
             if self.limited:
                 now = self.tenancy.clock()
                 with self.tenancy.budgets.hold(self.tenant, now) as state:
-                    state.running -= 1
+                    state.running -= self.slots
                     if state.tokens is not None and self.unused:
                         state.tokens.give(self.unused, now)
 
@@ -212,30 +216,35 @@ class Tenancy:
         tag = tenant.tag
         for job in jobs:
             job.params = _tagged(job.params, tag)
-        return Ticket(self, tenant, limited, label)
+        return Ticket(self, tenant, limited, label, len(jobs))
 
     def _reserve(self, tenant: Tenant, state: TenantState, labels: tuple[str, str], jobs: list["EngineJob"]) -> None:
         """Take the request's cost from ``state``, or raise the refusal naming the limit it is over."""
         limits, now = tenant.limits, self.clock()
-        if limits.max_concurrent is not None and state.running >= limits.max_concurrent:
-            self.metrics.count_tenant_refusal(labels, "max_concurrent")
-            raise _limited(tenant, "max_concurrent", f"{state.running} requests in progress", 1)
+        count = len(jobs)  # every limit counts engine requests (prompts x n), what the fleet runs
         tokens = sum(len(job.prompt.tokens) + job.params.num_tokens_to_generate for job in jobs)
-        if state.tokens is not None and tokens > state.tokens.limit:
-            raise APIError(400, f"this request may use {tokens} tokens (prompts and max_tokens), more than tenant "
-                                f"{tenant.name!r} may use in a minute ({state.tokens.limit}): lower max_tokens",
-                           code="over_tenant_limit")
-        waits = {"requests_per_minute": state.requests.wait(1, now) if state.requests is not None else 0.0,
+        for limit, asked, most in (("max_concurrent", count, limits.max_concurrent),
+                                   ("requests_per_minute", count, limits.requests_per_minute),
+                                   ("tokens_per_minute", tokens, limits.tokens_per_minute)):
+            if most is not None and asked > most:
+                what = "tokens (prompts and max_tokens)" if limit == "tokens_per_minute" else "engine requests (prompts x n)"
+                raise APIError(400, f"this request asks for {asked} {what}, more than tenant {tenant.name!r}'s "
+                                    f"{limit} of {most}: send fewer prompts, a smaller n or max_tokens",
+                               code="over_tenant_limit")
+        if limits.max_concurrent is not None and state.running + count > limits.max_concurrent:
+            self.metrics.count_tenant_refusal(labels, "max_concurrent")
+            raise _limited(tenant, "max_concurrent", f"{state.running} engine requests in progress", 1)
+        waits = {"requests_per_minute": state.requests.wait(count, now) if state.requests is not None else 0.0,
                  "tokens_per_minute": state.tokens.wait(tokens, now) if state.tokens is not None else 0.0}
         limit, wait = max(waits.items(), key=lambda item: item[1])
         if wait > 0:
             self.metrics.count_tenant_refusal(labels, limit)
             raise _limited(tenant, limit, f"{getattr(limits, limit)} a minute", math.ceil(wait))
         if state.requests is not None:
-            state.requests.take(1)
+            state.requests.take(count)
         if state.tokens is not None:
             state.tokens.take(tokens)
-        state.running += 1
+        state.running += count
 
 
 def _limited(tenant: Tenant, limit: str, figure: str, retry_after: int) -> APIError:
