@@ -186,7 +186,8 @@ class DynamicInferenceEngine:
                            kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0,
                            weights_layout=layout_digest(self.model), dtype=str(self.model.dtype).removeprefix("torch."),
                            max_loras=config.max_loras if config.enable_lora else None,
-                           max_lora_rank=config.max_lora_rank if config.enable_lora else None)
+                           max_lora_rank=config.max_lora_rank if config.enable_lora else None,
+                           logprobs_mode=config.logprobs_mode)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,

@@ -37,14 +37,18 @@ from .translate import (
 
 
 def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: Sequence[float | None],
-                        top_n: list[TopPairs | None] | None, offset: int, n: int = 20,
-                        ids: Sequence[int] | None = None) -> dict[str, Any]:
-    """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
-    texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``
-    best alternatives are named by their own text. ``ids``: the tokens' ids, to name every token ``token_id:N``
-    instead (``return_tokens_as_token_ids``; the offsets then count those names, as vLLM's do)."""
-    name = tokenizer.token_text if ids is None else token_label
-    if ids is not None:
+                        top_n: list[TopPairs | None] | None, offset: int, ids: Sequence[int], n: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens ``ids`` whose
+    texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts.
+
+    Each position's ``top_logprobs`` is vLLM's: the token itself first, then its ``n`` best alternatives (so one entry
+    for ``logprobs: 0``, which TRL's client sends and indexes, up to ``n + 1`` when the token is not among the
+    ``n``), each named by its own text; null where the token has no log prob (an echoed prompt's first).
+    ``as_ids``: name every token ``token_id:N`` instead (``return_tokens_as_token_ids``; the offsets then count
+    those names, as vLLM's do)."""
+    name = token_label if as_ids else tokenizer.token_text
+    if as_ids:
         texts = [token_label(token) for token in ids[: len(texts)]]
     offsets = []
     for text in texts:
@@ -52,11 +56,16 @@ def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: Seque
         offset += len(text)
     token_logprobs: list[float | None] = [None if x is None else float(x) for x in log_probs[: len(texts)]]
     token_logprobs += [None] * (len(texts) - len(token_logprobs))
-    top: list[dict[str, float] | None] | None = None
-    if top_n is not None:
-        top = [{name(t): float(lp) for t, lp in sorted(pairs, key=lambda kv: -kv[1])[:n]}
-               if pairs is not None else None for pairs in top_n[: len(texts)]]
-        top += [None] * (len(texts) - len(top))
+    top: list[dict[str, float] | None] = []
+    for i, logprob in enumerate(token_logprobs):
+        if logprob is None:
+            top.append(None)
+            continue
+        entry = {name(ids[i]): logprob}
+        pairs = top_n[i] if top_n is not None and i < len(top_n) else None
+        for t, lp in sorted(pairs or (), key=lambda kv: -kv[1])[:n]:
+            entry.setdefault(name(t), float(lp))
+        top.append(entry)
     return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -138,9 +147,9 @@ class CompletionHandler(GenerationHandler):
                 log_probs = [None, *result.prompt_log_probs, *log_probs]
                 top = [None, *paired(result.prompt_top_n_logprobs), *top]
                 ids = [*result.prompt_tokens, *ids]
-            logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
-                                           0 if self.echo_logprobs else len(prefix), self.top,
-                                           ids if self.req.return_tokens_as_token_ids else None)
+            logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top,
+                                           0 if self.echo_logprobs else len(prefix), ids, self.top,
+                                           bool(self.req.return_tokens_as_token_ids))
         prompt_scores = None  # scored=False: an empty list, which whole_answers replaces
         if self.req.prompt_logprobs is not None:
             prompt_scores = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs) if scored else []
@@ -228,6 +237,5 @@ class _CompletionEvents(StreamedAnswer):
         handler = self.handler
         if not (handler.want_logprobs and delta.tokens):
             return None
-        return completion_logprobs(handler.ctx.tokenizer, delta.token_texts, delta.log_probs,
-                                   delta.top_n if handler.top else None, offset, handler.top,
-                                   delta.tokens if handler.req.return_tokens_as_token_ids else None)
+        return completion_logprobs(handler.ctx.tokenizer, delta.token_texts, delta.log_probs, delta.top_n, offset,
+                                   delta.tokens, handler.top, bool(handler.req.return_tokens_as_token_ids))

@@ -56,6 +56,8 @@ EXTENSIONS: dict[str, str] = {
     "return_token_ids": "add prompt_token_ids (the prompt as the engine ran it) and each choice's token_ids (the "
                         "generated tokens) to the answer; streamed: prompt_token_ids on a choice's first chunk, "
                         "token_ids per chunk (vLLM's name and shape)",
+    "use_beam_search": "accepted as false (vLLM's default, which AReaL's client sends); true is refused: this server "
+                       "samples, it has no beam search (vLLM's name)",
     "return_tokens_as_token_ids": "name every token of a log-prob listing 'token_id:N' instead of by its text, so "
                                   "that a trainer reads back exactly the ids the engine ran (vLLM's name)",
 }
@@ -75,7 +77,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "metadata": "stored completions",
     "spaces_between_special_tokens": "choosing how special tokens are joined",
     "length_penalty": "beam search",
-    "use_beam_search": "beam search",
     "early_stopping": "beam search",
     "bad_words": "bad words",
     "allowed_token_ids": "restricting the vocabulary",

@@ -28,6 +28,8 @@ class GenerationHandler:
         self.id = f"{self.id_prefix}-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
         self.created = int(time.time())
         self.n = req.n or 1
+        if req.model is None:  # vLLM's field is optional: the base model then (AReaL's vLLM client sends none)
+            req.model = ctx.model_name
         check_model(req.model, ctx.served_names)
         check_common(req)
 

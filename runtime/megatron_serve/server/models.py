@@ -83,7 +83,8 @@ class _SamplingRequest(_Request, VllmSamplingFields, SamplingFields):  # type: i
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's: ``vllm_fields.py``; the sampling
     parameters copied into ``SamplingParams``: :data:`SamplingFields`)."""
 
-    model: str = Field(description="the served model name (see GET /v1/models)")
+    model: str | None = Field(None, description="the served model name (see GET /v1/models); left out: the base "
+                                                "model, as vLLM (whose field is optional)")
     n: int | None = Field(None, ge=1, description="choices to generate for each prompt")
     stop: StopSequence | list[StopSequence] | None = Field(
         None, description="generation stops at the first of these strings; it is not returned (unless "

@@ -25,7 +25,7 @@ from ..wire.sampling_fields import copied_from_http
 from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, unsupported
 from .vllm_fields import RESERVED_TEMPLATE_KWARGS
 from .models import (
     ChatCompletionRequest,
@@ -84,6 +84,9 @@ def check_common(req: _SamplingRequest) -> None:
     """Checks of both endpoints that the body's schema cannot express."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if req.use_beam_search:
+        raise unsupported("use_beam_search", "beam search (this server samples; send use_beam_search false or "
+                                             "leave it out)")
 
 
 def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, float] | None:

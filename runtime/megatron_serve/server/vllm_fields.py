@@ -81,6 +81,7 @@ class VllmSamplingFields(BaseModel):
     guided_decoding_backend: GUIDED_BACKENDS | None = extension("guided_decoding_backend")
     return_token_ids: bool | None = extension("return_token_ids")
     return_tokens_as_token_ids: bool | None = extension("return_tokens_as_token_ids")
+    use_beam_search: bool = extension("use_beam_search", False)
 
     @model_validator(mode="before")
     @classmethod

@@ -2,7 +2,8 @@
 
 vLLM's answer is ``{vllm_config, vllm_env, system_env}``, ``vllm_config`` a text line or, with
 ``?config_format=json``, the config as JSON, of which the frameworks read ``model_config`` (``dtype``,
-``max_model_len``), ``parallel_config`` (sizes), ``lora_config`` (null without LoRA) and
+``max_model_len``, ``logprobs_mode``: TRL 1.16's ``GRPOTrainer`` in server mode refuses to start unless it is
+``processed_logprobs``), ``parallel_config`` (sizes), ``lora_config`` (null without LoRA) and
 ``weight_transfer_config`` (the backend a trainer's group uses). SGLang's answer is its flat ``ServerArgs`` plus
 scheduler facts, of which slime, miles and AReaL read ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``,
 ``disaggregation_mode`` and the model path. A framework reads keys and ignores the others, so one answer holds
@@ -18,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ... import __version__
+from ...wire.sampling_fields import MAX_TOP_N_LOGPROBS
 from ..context import ServerContext
 from ..openapi_doc import error_responses
 from .control import Control, Query, one_of, query_doc
@@ -37,8 +39,10 @@ def vllm_config(ctx: ServerContext, control: Control) -> dict[str, Any]:
             if info.get("max_loras") is not None else None)
     backend = ctx.options.weight_transfer_backend
     return {
-        "model_config": {"model": ctx.model_name, "served_model_name": ctx.model_name, "dtype": info.get("dtype"),
-                         "max_model_len": ctx.max_model_len()},
+        "model_config": {"model": ctx.model_name, "tokenizer": ctx.model_name, "served_model_name": ctx.model_name,
+                         "dtype": info.get("dtype"), "max_model_len": ctx.max_model_len(),
+                         "logprobs_mode": info.get("logprobs_mode", "raw_logprobs"), "max_logprobs": MAX_TOP_N_LOGPROBS,
+                         "skip_tokenizer_init": False},
         "parallel_config": {"tensor_parallel_size": shape.tensor, "pipeline_parallel_size": shape.pipeline,
                             "data_parallel_size": shape.data, "enable_expert_parallel": shape.expert,
                             "world_size": shape.world_size, "world_size_across_dp": shape.world_size_across_dp},
