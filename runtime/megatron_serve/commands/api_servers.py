@@ -16,13 +16,17 @@ summed over the N processes at each scrape (``PROMETHEUS_MULTIPROC_DIR``, a priv
 the parent); the fleet and engine series come from the coordinator, which every process polls.
 
 Siblings run under the local fleet's :class:`~megatron_serve.fleet.supervisor.Supervisor` (they die
-with the parent, a crashed one is restarted) and get the parent's signals: the first drains them
-with the parent, a second stops them at once. Their log lines go to the parent's standard error.
+with the parent, a crashed one is restarted) and get the parent's signals, as SIGTERM: the first drains them
+with the parent, a second stops them at once, and one still starting ends quietly (SIGTERM's default; a
+SIGINT raised ``KeyboardInterrupt`` in whatever it was importing, a traceback). Their log lines go to the
+parent's standard error. Each says when it serves, one line on a pipe, and the parent announces the
+endpoint only once every sibling has (:meth:`Siblings.wait_ready`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import os
@@ -76,6 +80,10 @@ def share_metrics(count: int) -> Path | None:
     return directory
 
 
+#: How long the first process waits for its siblings to serve before it gives up the start.
+SIBLINGS_START_TIMEOUT_S = 300.0
+
+
 class Siblings:
     """The N-1 sibling API servers of this process (see the module docstring)."""
 
@@ -84,10 +92,16 @@ class Siblings:
         self.args = args
         self.sock = sock
         self.metrics_dir = metrics_dir
-        self._dir = Path(tempfile.mkdtemp(prefix="megatron-serve-api-"))
-        spec = self._dir / "spec.pickle"  # the options, read by each sibling once; private to this user
+        self.directory = Path(tempfile.mkdtemp(prefix="megatron-serve-api-"))
+        # Each sibling writes its index and a newline here once it serves (inherited write end; kept open for restarts).
+        self._ready_read, self._ready_write = os.pipe()
+        os.set_blocking(self._ready_read, False)
+        self._ready: set[int] = set()
+        self._pending = b""
+        spec = self.directory / "spec.pickle"  # the options, read by each sibling once; private to this user
         with open(os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
-            pickle.dump({"args": args, "coordinator": coordinator, "fd": sock.fileno()}, fh)
+            pickle.dump({"args": args, "coordinator": coordinator, "fd": sock.fileno(),
+                         "ready_fd": self._ready_write}, fh)
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         if token is not None:
@@ -97,7 +111,8 @@ class Siblings:
         self._supervisor = Supervisor(self._lifeline)
         self.spec = spec
         self.children = [Child(f"API server {i}", [sys.executable, "-m", "megatron_serve.commands.api_sibling",
-                                                   str(spec)], None, env, pass_fds=(sock.fileno(),))
+                                                   str(spec), str(i)], None, env,
+                               pass_fds=(sock.fileno(), self._ready_write))
                          for i in range(1, args.api_server_count)]
 
     def start(self) -> None:
@@ -108,14 +123,46 @@ class Siblings:
             self._supervisor.start_child(child)
         self._supervisor.restart_dead(True)
 
+    async def wait_ready(self, stop: asyncio.Event) -> bool:
+        """Wait until every sibling serves (True), or ``stop`` is set first (False); ``RuntimeError`` after
+        ``SIBLINGS_START_TIMEOUT_S``, naming those that do not serve."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def read() -> None:
+            try:
+                self._pending += os.read(self._ready_read, 4096)
+            except BlockingIOError:
+                return
+            *lines, self._pending = self._pending.split(b"\n")
+            self._ready.update(int(line) for line in lines)
+            if len(self._ready) == len(self.children):
+                ready.set()
+
+        read()
+        loop.add_reader(self._ready_read, read)
+        waits = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, timeout=SIBLINGS_START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(self._ready_read)
+            for wait in waits:
+                wait.cancel()
+        if ready.is_set() or stop.is_set():
+            return ready.is_set()
+        missing = [child.name for index, child in enumerate(self.children, 1) if index not in self._ready]
+        raise RuntimeError(f"{', '.join(missing)} not serving after {SIBLINGS_START_TIMEOUT_S:.0f}s (their errors are "
+                           "above)")
+
     def signal(self, signum: int) -> None:
-        """Forward a stop signal (the first drains, a second stops at once, as in this process). Restarts end first:
-        a sibling that the signal ends (one still starting dies of it) is not started again."""
+        """Forward a stop signal as SIGTERM (the first drains, a second stops at once, as in this process; a sibling
+        still starting ends quietly, see the module docstring). Restarts end first: a sibling that the signal ends
+        is not started again."""
         self._supervisor.restart_dead(False)
         self.signalled = True
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
-                child.proc.send_signal(signum)
+                child.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float) -> None:
         """Drain the siblings (SIGTERM, unless a signal was forwarded already), wait up to ``timeout`` seconds for
@@ -134,5 +181,7 @@ class Siblings:
                 child.proc.wait()
         self._supervisor.close()
         self._lifeline.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        for fd in (self._ready_read, self._ready_write):
+            os.close(fd)
+        shutil.rmtree(self.directory, ignore_errors=True)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)

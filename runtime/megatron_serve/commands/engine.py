@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     # (a single-rank engine: a group's followers may never talk to the coordinator)
     refusal = RefusalWatch(address, fleet_secret(token), refused) if config.world_size == 1 else None
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
-    from ..engine.group.spawn import fork_ranks_here  # noqa: PLC0415
+    from ..engine.group.spawn import fork_ranks_here, remove_fork_server_directory  # noqa: PLC0415
 
     fork_ranks_here()  # this process's own __main__, and no thread yet when a group starts
     from ..engine.process.loop import run_engine_process  # noqa: PLC0415
@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                             drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
                             info={"model": args.model, "kv_role": kv_role, **data_parallel_info(config)})
     # Everything is handed back and flushed: skip the interpreter's slow teardown of torch (seconds),
-    # so that "the engine exited" follows "the engine acknowledged STOP" closely.
+    # so that "the engine exited" follows "the engine acknowledged STOP" closely (what of it leaves a file, here).
+    remove_fork_server_directory()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

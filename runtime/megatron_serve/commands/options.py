@@ -2,7 +2,8 @@
 
 * the fleet secret: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (``docs/security.md``), and
   ``--insecure`` for a fleet without one (benchmarks);
-* one logging format for every long-running process.
+* one logging format for every long-running process;
+* one exit code for a serving command stopped by a signal (:func:`stopped_exit_code`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from ..fleet.argv import TOKEN_ENV
@@ -80,3 +82,10 @@ def add_log_option(parser: argparse.ArgumentParser) -> None:
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def stopped_exit_code(signum: int | None) -> int:
+    """The exit code of ``run``, ``serve`` or ``server`` stopped by ``signum`` (the first signal; None: none), the same
+    at any point of its life: 130 for SIGINT, the shell's code for an interrupt (as vLLM's CLI exits on Ctrl-C);
+    0 for SIGTERM and SIGHUP, a stop asked of a service (Kubernetes, systemd), done."""
+    return 128 + signal.SIGINT if signum == signal.SIGINT else 0

@@ -8,7 +8,9 @@ Once serving, a coordinator or engine that dies is restarted with back-off (the 
 no child outlives this process, whatever ends it. SIGINT/SIGTERM/SIGHUP stop everything in order:
 the HTTP server drains (new requests get 503, admitted ones finish for up to ``--drain-timeout``),
 the fleet gets STOP (engines drain and exit), then the processes are reaped. A second signal stops
-at once.
+at once. It exits 130 when SIGINT stopped it and 0 when SIGTERM or SIGHUP did, whether the model was still
+loading or it served (:func:`.options.stopped_exit_code`); "ready" is printed once every API server process
+serves (``--api-server-count``).
 
 The fleet is secure by default: the run generates a fleet secret (unless ``--token-file`` or
 ``$MEGATRON_SERVE_TOKEN`` gives one) and keeps it in its run directory, readable by the user only,
@@ -40,7 +42,8 @@ from .inputs import check_model_dir, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
 from .stack_ports import StackPorts, check_distinct, reserve_ports
-from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
+from .options import (add_insecure_option, add_log_option, add_token_option, read_token, setup_logging,
+                      stopped_exit_code)
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
                      status_options, tenancy_options)
@@ -232,6 +235,7 @@ class _Stack:
         self.client: Any = None
         self.stop = asyncio.Event()
         self.signals = 0
+        self.first_signal: int | None = None  # what stopped it: its exit code (stopped_exit_code)
         self.forced = False
         self.task: asyncio.Task | None = None
         self.published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
@@ -246,6 +250,7 @@ class _Stack:
         if self.siblings is not None:
             self.siblings.signal(signum)
         if self.signals == 1:
+            self.first_signal = signum
             progress(None, f"{signal.Signals(signum).name}: stopping: new requests get 503, those in flight may finish "
                            f"for up to {self.args.drain_timeout:g}s (again to stop at once)")
             self.stop.set()
@@ -296,11 +301,11 @@ class _Stack:
                     await startup
                 except (asyncio.CancelledError, Exception):
                     pass
-                return 130
+                return stopped_exit_code(self.first_signal)
             startup.result()
             facts, tokenizer = await loading
             await self._serve(facts, tokenizer, sock)
-            return 0
+            return stopped_exit_code(self.first_signal)
         finally:
             self.ports.close()
             if self.published is not None:
@@ -391,6 +396,8 @@ class _Stack:
 
         args = self.args
         metrics_dir = api_servers.share_metrics(args.api_server_count)  # before the app makes its series
+        if metrics_dir is not None:
+            self.janitor.add(metrics_dir)  # removed even after kill -9 of this process
         app = create_app(self.client, tokenizer, facts.name, self.api_key, admin_key=read_admin_key(args),
                          vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
                          max_concurrent_requests=api_servers.per_process_limit(args),
@@ -413,8 +420,12 @@ class _Stack:
         defer_young_collections()
         if metrics_dir is not None:
             self.siblings = api_servers.Siblings(args, sock, self.address, self.token, metrics_dir)
+            self.janitor.add(self.siblings.directory)
             self.siblings.start()
         try:
+            # The siblings serve first (the socket queues connections meanwhile): "ready" means every process serves.
+            if self.siblings is not None and not await self.siblings.wait_ready(self.stop):
+                return
             await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
                             **connection_options(args))
         finally:

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..generation_config import GenerationDefaults
 from ..heap import pause_collection_until_started
@@ -24,7 +24,8 @@ from ..multimodal import ImageOptions
 from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
+from .options import (add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging,
+                      stopped_exit_code)
 from ..client.vllm_options import Scope, add_vllm_options
 
 if TYPE_CHECKING:
@@ -291,23 +292,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_on(args: argparse.Namespace, sock: Any, token: str | None, *, announce: bool = True,
-             siblings: "api_servers.Siblings | None" = None, probe_sock: Any = None) -> int:
+             siblings: "api_servers.Siblings | None" = None, probe_sock: Any = None,
+             on_started: Callable[[str], None] | None = None) -> int:
     """Serve on ``sock`` (bound) through ``args.coordinator`` until stopped; ``siblings``: the other API server
     processes this one starts and stops (``--api-server-count``); ``probe_sock``: the probe port's socket
-    (bound; ``--health-port``), or None (the siblings: the first process answers the pod's probes)."""
+    (bound; ``--health-port``), or None (the siblings: the first process answers the pod's probes);
+    ``on_started(url)``: called once it serves. Returns the exit code (:func:`.options.stopped_exit_code`)."""
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415
     from ..server.runner import run_loop  # noqa: PLC0415
 
     files = ServingFiles.from_args(args)
     facts = ModelFacts.from_dir(args.model, args.served_model_name)
     tokenizer = files.load_tokenizer()
-    run_loop(_serve(args, facts, files, tokenizer, sock, read_api_key(args), token, announce, siblings, probe_sock))
-    return 0
+    first_signal = run_loop(_serve(args, facts, files, tokenizer, sock, read_api_key(args), token, announce, siblings,
+                                   probe_sock, on_started))
+    return stopped_exit_code(first_signal)
 
 
 async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Tokenizer, sock: Any,
                  api_key: str | None, token: str | None, announce: bool,
-                 siblings: "api_servers.Siblings | None", probe_sock: Any) -> None:
+                 siblings: "api_servers.Siblings | None", probe_sock: Any,
+                 on_started: Callable[[str], None] | None) -> int | None:
+    """Serve until stopped; the first signal that stopped it, if one did."""
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
     from ..heap import defer_young_collections, freeze_startup_heap  # noqa: PLC0415
@@ -324,9 +330,11 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     stop = asyncio.Event()
     serving = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    signals: list[int] = []
 
     def on_signal(signum: int) -> None:
         """The first signal drains (a pod's stop, after its preStop); a second one stops at once."""
+        signals.append(signum)
         if siblings is not None:
             siblings.signal(signum)
         if not stop.is_set():
@@ -344,6 +352,8 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     probes = await start_probes(args, probe_sock, args.coordinator, token, app)
 
     def started(url: str) -> None:
+        if on_started is not None:
+            on_started(url)
         if announce:
             count = f" in {args.api_server_count} processes" if args.api_server_count > 1 else ""
             print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}{count}"
@@ -354,8 +364,10 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     if siblings is not None:
         siblings.start()
     try:
-        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
-                        **connection_options(args))
+        # The siblings serve first (the socket queues connections meanwhile): "serving" means every process does.
+        if siblings is None or await siblings.wait_ready(stop):
+            await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
+                            **connection_options(args))
     except asyncio.CancelledError:
         if not stop.is_set():
             raise
@@ -365,6 +377,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
         client.close()
         if siblings is not None:
             await asyncio.to_thread(siblings.stop, args.drain_timeout + 15.0)
+    return signals[0] if signals else None
 
 
 async def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, token: str | None, app: Any) -> Any:

@@ -86,7 +86,7 @@ def _watch(fd: int) -> None:
 
 def wait_for_end_of_file(fd: int) -> None:
     """Block until the pipe's read end ``fd`` reads end-of-file (or fails): the kernel's word that no process holds
-    the write end any more. The children's lifeline and ``run``'s janitor wait on one so."""
+    the write end any more. The children's lifeline waits on one so."""
     while True:
         try:
             if not os.read(fd, 1):

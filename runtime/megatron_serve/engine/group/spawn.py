@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.synchronize
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -149,6 +150,15 @@ def short_socket_directory() -> None:
         util.get_temp_dir()  # made now, under the short directory, and kept for this process (removed at its exit)
     finally:
         tempfile.tempdir = saved
+
+
+def remove_fork_server_directory() -> None:
+    """Remove this process's multiprocessing directory (``pymp-*``, where the fork server's socket is), as the
+    interpreter's exit would: a process that ends with ``os._exit`` (the ``engine`` command, to skip torch's slow
+    teardown) skips that, and every tensor- or pipeline-parallel engine stopped left one in the temporary directory."""
+    directory = multiprocessing.current_process()._config.get("tempdir")  # set by multiprocessing.util.get_temp_dir
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_forked_worker(environment: dict[str, str], inherited: tuple[int, ...], model_dir: str, config_dict: dict,
