@@ -123,11 +123,13 @@ def test_every_component_reads_the_table():
     from megatron_operator import lifecycle as operator_lifecycle
     from megatron_operator.crd import PAUSE_MODES
     from megatron_serve.commands.control import VERBS, add_arguments
+    from megatron_serve.coordinator.verbs.table import HANDLERS
     from megatron_serve.server.admin import ADMIN_BODIES
     from megatron_serve.engine.verbs import ACTIONS, REGISTER
     from megatron_serve.wire.protocol import HEADER_VERBS, VERB_HEADERS, step_of
 
     assert set(ACTIONS) - {REGISTER} == set(Step) - {Step.STOP}  # the engine knows what every step but STOP does
+    assert set(HANDLERS) == set(Verb)  # the coordinator has a handler for every verb
     for step, spec in STEPS.items():  # and can tell every step from its message
         assert step_of(VERB_HEADERS[spec.verb], spec.phase) is step
     assert set(HEADER_VERBS.values()) == set(Verb)

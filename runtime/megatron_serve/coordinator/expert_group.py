@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .core_view import CoreView
-from .peers import EngineRecord
 from .requests import Phase
+
+if TYPE_CHECKING:
+    from .core_view import CoreView
+    from .peers import EngineRecord
 
 logger = logging.getLogger("megatron_serve.coordinator")
 

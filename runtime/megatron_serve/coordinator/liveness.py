@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..wire.lifecycle import FleetState
 from ..wire.handshake import Error
@@ -23,7 +23,9 @@ from ..wire.protocol import ErrorCode, Header
 from .core_view import CoreView
 from .peers import EngineRecord
 from .requests import Phase
-from .verbs import VerbRunner
+
+if TYPE_CHECKING:
+    from .verbs.runner import VerbRunner
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
