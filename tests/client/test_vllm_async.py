@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_serve import LLM, InferenceConfig, MegatronAsyncLLM, RequestOutput, SamplingParams
+from megatron_serve import LLM, InferenceConfig, MegatronAsyncLLM, MegatronLLM, RequestOutput, SamplingParams
 from megatron_serve.errors import NoFleet
 
 pytestmark = pytest.mark.timeout(600)
@@ -82,9 +82,14 @@ def test_sleep_and_wake_up_are_the_fleets_suspend_and_resume(tiny_model):
             llm.wake_up(tags=["gpu"])
 
 
-def test_sleep_without_a_fleet_says_what_is_needed(tiny_model):
+def test_sleep_and_wake_up_without_a_fleet_say_what_is_needed(tiny_model):
+    """Each names the method the user called and, on ``LLM``, vLLM's keyword (wake_up() named resume(), which the
+    user did not call, and coordinator mode, which ``LLM`` does not take)."""
     with LLM(tiny_model, num_gpu_blocks_override=64) as llm:
-        with pytest.raises(NoFleet, match="build the LLM with enable_sleep_mode=True"):
+        with pytest.raises(NoFleet, match="^sleep\\(\\) needs a fleet.*build the LLM with enable_sleep_mode=True"):
             llm.sleep()
-        with pytest.raises(NoFleet, match="resume\\(\\) needs coordinator mode"):
+        with pytest.raises(NoFleet, match="^wake_up\\(\\) needs a fleet.*build the LLM with enable_sleep_mode=True"):
+            llm.wake_up()
+    with MegatronLLM(tiny_model, inference_config=InferenceConfig(num_kv_blocks=64)) as llm:
+        with pytest.raises(NoFleet, match="^wake_up\\(\\) needs coordinator mode \\(use_coordinator=True\\)"):
             llm.wake_up()

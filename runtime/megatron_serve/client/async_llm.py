@@ -358,6 +358,9 @@ class MegatronAsyncLLM:
         the fleet paused, so that a ``refit`` can load new weights before anything runs; ``["kv_cache"]``
         or no tags then let it run. Other tags are refused by name.
         """
+        if self.engine is not None:  # named as the caller called it: resume() is not what they wrote
+            raise NoFleet("wake_up() needs coordinator mode (use_coordinator=True): this engine runs in this "
+                          "process, with no fleet to wake up")
         unpause = wake_up_plan(tags)
         ack = await self.resume()
         return await self.unpause() if unpause else ack

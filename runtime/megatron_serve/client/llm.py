@@ -294,6 +294,13 @@ class LLM(MegatronLLM):
                           "data_parallel_size > 1); this one runs its engine in this process")
         return super().sleep(level)
 
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """vLLM's ``wake_up`` (see :meth:`MegatronLLM.wake_up`); needs ``LLM(..., enable_sleep_mode=True)``."""
+        if self.engine is not None:
+            raise NoFleet("wake_up() needs a fleet to wake: build the LLM with enable_sleep_mode=True (or "
+                          "data_parallel_size > 1); this one runs its engine in this process")
+        return super().wake_up(tags)
+
 
 def _with_priority(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                    priority: Sequence[int] | None, count: int) -> SamplingParams | Sequence[SamplingParams] | None:
