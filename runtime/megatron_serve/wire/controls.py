@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .body import Body, ClientId
+from .lifecycle import Verb
 from .rendezvous import Rendezvous
 
 
@@ -69,6 +70,19 @@ class ScaleEp(Control):
     """SCALE_EP: the expert-parallel group of data-parallel attention ranks to ``size`` ranks (None: refused)."""
 
     size: int | None = None
+
+
+#: Each verb's message, where it has fields of its own (the others travel as a plain :class:`Control`).
+VERB_BODIES: dict[Verb, type[Control]] = {
+    Verb.PAUSE: Pause,
+    Verb.SUSPEND: Suspend,
+    Verb.STOP: Stop,
+    Verb.REFIT: Refit,
+    Verb.LOAD_LORA: LoadLora,
+    Verb.UNLOAD_LORA: UnloadLora,
+    Verb.RESET_PREFIX_CACHE: ResetPrefixCache,
+    Verb.SCALE_EP: ScaleEp,
+}
 
 
 class ControlAck(Body):

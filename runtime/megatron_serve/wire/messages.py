@@ -22,13 +22,14 @@ in Python imports the protocol from.
 from __future__ import annotations
 
 from .body import Body, ClientId, TokenId
-from .controls import (Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, ScaleEp, Stop, Suspend,
-                       UnloadLora)
+from .controls import (VERB_BODIES, Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, ScaleEp, Stop,
+                       Suspend, UnloadLora)
 from .deltas import (EngineStep, EngineStepOut, PromptScores, RequestDelta, RoutingRows, StepTokens,
                      StepTokensOut, TokenDelta, delta_past)
 from .handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Batch, Error, Hello, HelloAck
 from .kv_blocks import KVBlocks
-from .protocol import Header
+from .lifecycle import Verb
+from .protocol import VERB_HEADERS, Header
 from .rendezvous import (MIN_PREFIX_CHARS, RENDEZVOUS_SCHEME, TRANSFER_BACKENDS, TRANSFER_DTYPES, LoraPush, PeerShare,
                          PieceSpec, Rendezvous, TensorSpec)
 from .status import Draining, Heartbeat, KVEvents, Status, StatusReply
@@ -48,17 +49,8 @@ __all__ = [
 
 #: The verbs, with the same bodies both ways: a client's reaches the coordinator, which passes it on to the engines
 #: (PAUSE aside: its mode is the coordinator's work, so engines get a plain :class:`Control`).
-_VERBS: dict[Header, type[Body]] = {
-    Header.UNPAUSE: Control,
-    Header.SUSPEND: Suspend,
-    Header.RESUME: Control,
-    Header.STOP: Stop,
-    Header.REFIT: Refit,
-    Header.LOAD_LORA: LoadLora,
-    Header.UNLOAD_LORA: UnloadLora,
-    Header.RESET_PREFIX_CACHE: ResetPrefixCache,
-    Header.SCALE_EP: ScaleEp,
-}
+_VERBS: dict[Header, type[Body]] = {VERB_HEADERS[verb]: VERB_BODIES.get(verb, Control) for verb in Verb
+                                    if verb is not Verb.PAUSE}
 
 #: Bodies the coordinator accepts.
 TO_COORDINATOR: dict[Header, type[Body]] = {

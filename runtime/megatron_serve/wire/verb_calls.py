@@ -6,9 +6,10 @@
 fields; the ``control`` command makes its options and its "applies to" refusals from it; the admin
 API makes its ``POST /v1/admin/{verb}`` routes and their bodies from it; ``MegatronLLM`` and
 ``MegatronAsyncLLM`` call every verb through the same ``control``, and direct mode (no fleet) refuses
-a fleet verb by this table. A new verb is a row here, its steps in :mod:`.lifecycle`, its header and
-message in :mod:`.protocol`/:mod:`.messages`, and what an engine does for it; ``tests/client/test_verb_table.py``
-holds every surface to the table.
+a fleet verb by this table. A new verb is a row here, its steps in :mod:`.lifecycle`, a header of its name in
+:mod:`.protocol` (with fields of its own, its message in :mod:`.controls`), its handler in the coordinator's table
+(``coordinator/verbs/table.py``) and what an engine does for it (``engine/verbs.py``);
+``tests/client/test_verb_table.py`` holds every surface to the table.
 
 Pure, standard library only (the operator reads it too).
 """
