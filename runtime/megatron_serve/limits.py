@@ -44,6 +44,10 @@ READY_TIMEOUT = 0.05
 #: ``--health-stall-timeout``: a main event loop silent this long is hung, not busy (it ran 2 s late at worst
 #: under 400 streams on 2 cores), and the probe port's ``/health`` says so (:mod:`megatron_serve.server.probe_port`).
 HEALTH_STALL_TIMEOUT = 30.0
+#: Seconds without a stamp from the server's event loop (twice a second) after which the probe port's ``/ready`` is 503
+#: (:mod:`megatron_serve.server.probe_port`): the process that owns the main port does not answer (SIGSTOPped,
+#: or its loop hangs). Above the 2 s a loop ran late at worst under 400 streams, and below a kubelet's probe period.
+READY_STALL_TIMEOUT = 5.0
 #: The probe port's (``--health-port``) listen backlog (the kernel caps it at ``net.core.somaxconn``, 4096 by
 #: default): a connection beyond the backlog has its SYN dropped, and the client sends it again after 1 s, past a
 #: kubelet's timeout (a backlog of 64 made a probe wait for that retry beside thousands of idle connections).

@@ -94,6 +94,7 @@ async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp
     coordinator_port = free_port()
     address = f"tcp://127.0.0.1:{coordinator_port}"
     children.coordinator(tiny_llama, coordinator_port)
+    children.engine(tiny_llama, coordinator_port)  # ready needs an engine that can take a request
     client = InferenceClient(address, token=children.secret, tokenizer=Tokenizer.from_pretrained(tiny_llama))
     app = create_app(client, client.tokenizer, "tiny", status_interval=0.2)
     ctx = app.state.ctx

@@ -1,6 +1,7 @@
-"""``megatron-serve server`` as a process: up before its coordinator, ready once it answers, 503 while stopped.
+"""``megatron-serve server`` as a process: up before its coordinator, reachable once it answers (ready only with an
+engine), 503 while stopped.
 
-No engines are needed: readiness and the 503 decisions depend on the coordinator alone.
+No engines are started: reachability, the missing engines and the 503 decisions come from the coordinator alone.
 """
 
 from __future__ import annotations
@@ -78,17 +79,22 @@ def test_server_before_coordinator_then_ready_then_stopped(tiny_model, tmp_path)
 
             procs.append(spawn(["coordinator", "--model", tiny_model, "--host", "127.0.0.1", "--port",
                                 str(coordinator_port)], coord_log))
-            wait_until(lambda: http_get(f"{url}/ready").status_code == 200, 120, "ready", interval=0.2)
-            assert http_get(f"{url}/ready").json() == {"ready": True, "state": "RUNNING",
-                                                         "coordinator_reachable": True, "busy": False, "engines": 0,
-                                                         "detail": None}
+            wait_until(lambda: http_get(f"{url}/ready").json()["coordinator_reachable"], 120, "reachable",
+                       interval=0.2)
+            # reachable and RUNNING, but no engine can take a request: not ready, and it says what is missing
+            assert http_get(f"{url}/ready").json() == {
+                "ready": False, "state": "RUNNING", "coordinator_reachable": True, "busy": False, "engines": 0,
+                "detail": "no engine can take a request: none is registered with the coordinator",
+                "missing": ["engines"]}
+            assert http_get(f"{url}/health").json() == {"status": "ok", "missing": ["engines"]}
 
             control(address, "stop")
-            wait_until(lambda: http_get(f"{url}/ready").status_code == 503, 30, "not ready")
+            wait_until(lambda: http_get(f"{url}/ready").json()["state"] == "STOPPED", 30, "stopped")
+            assert http_get(f"{url}/ready").json()["missing"] == ["fleet", "engines"]
             answer = http_post(f"{url}/v1/completions", json=body, headers=auth)
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "fleet_stopped"
             control(address, "unpause")
-            wait_until(lambda: http_get(f"{url}/ready").status_code == 200, 30, "ready again")
+            wait_until(lambda: http_get(f"{url}/ready").json()["state"] == "RUNNING", 30, "running again")
 
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=30) == 0

@@ -19,10 +19,10 @@ with ``503 coordinator_unreachable`` when a late poll meant unreachable. Only a 
 (:meth:`FleetMonitor.fresh`, 0.05 s by default): idle, they see a pause at once; under load they
 answer from the last status instead of waiting for the loop that the tokens keep busy.
 
-Two answers differ on purpose: a PAUSED or SUSPENDED fleet *accepts* requests (they wait for it to
-run again) but is not *ready* (``/ready`` 503), so that a load balancer sends new traffic to a
+Two answers differ on purpose: a PAUSED or SUSPENDED fleet, or one with no engine that can take a request (none
+registered, or all draining), *accepts* requests (they wait for it to run again) but is not *ready* (``/ready`` 503), so that a load balancer sends new traffic to a
 replica that serves now, and a pod's readiness says what its clients will see. Before, ``/ready``
-was 200 while every chat hung on a paused fleet.
+was 200 while every chat hung on a paused fleet, and with ``"engines": 0`` while both engine links were cut.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from ..limits import READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
-from ..wire.lifecycle import FleetState
+from ..wire.lifecycle import ENGINE_DRAINING, FleetState
 from .backend import Backend
 
 logger = logging.getLogger("megatron_serve.server")
@@ -184,13 +184,31 @@ class FleetMonitor:
             return "the fleet is stopped (megatron-serve control unpause restarts it)"
         return None
 
+    def takers(self) -> int:
+        """Engines that can take a request now: registered and not draining (a silent one stays listed until the
+        coordinator's heartbeat timeout removes it)."""
+        return sum(1 for engine in self.engines if engine.get("state") != ENGINE_DRAINING)
+
     def not_ready_reason(self) -> str | None:
-        """Why requests are not served now (including a fleet that holds them: paused, suspended), or None."""
+        """Why requests are not served now (including a fleet that holds them: paused, suspended, or with no engine
+        that can take one), or None."""
         reason = self.refusal_reason()
         if reason is None and self.state != RUNNING:
             reason = (f"the fleet is {self.state}: requests wait until it runs again (megatron-serve control "
                       f"{'resume, then unpause' if self.state == FleetState.SUSPENDED.value else 'unpause'})")
+        if reason is None and not self.takers():
+            listed = len(self.engines)
+            reason = ("no engine can take a request: " + (f"all {listed} registered are draining" if listed else
+                                                          "none is registered with the coordinator"))
         return reason
+
+    def missing(self) -> list[str]:
+        """The parts of the fleet that keep requests from being served now, by name: ``coordinator`` (unreachable),
+        ``fleet`` (not RUNNING), ``engines`` (none can take a request)."""
+        if not self.reachable:
+            return ["coordinator"]
+        parts = [] if self.state == RUNNING else ["fleet"]
+        return parts if self.takers() else [*parts, "engines"]
 
     def check_accepting(self) -> None:
         """Raise 503 unless new requests can be accepted (PAUSED and SUSPENDED fleets accept and hold them)."""

@@ -433,6 +433,9 @@ class ErrorResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+    missing: list[str] = Field(default_factory=list, description=(
+        "what keeps requests from being served now, by part: coordinator, fleet (not RUNNING), engines (none can "
+        "take a request), server (this one drains); /health stays 200 for them (this process is alive)"))
 
 
 class ReadyResponse(BaseModel):
@@ -445,6 +448,9 @@ class ReadyResponse(BaseModel):
                                          "the last status stands (the fleet is loaded, not lost)")
     engines: int = 0
     detail: str | None = None
+    missing: list[str] = Field(default_factory=list, description=(
+        "the parts that make it 503, by name: coordinator (unreachable), fleet (not RUNNING), engines (none can take "
+        "a request), server (this server drains, or on the probe port its process does not answer)"))
 
 
 class TokenizeCompletionRequest(_Request):

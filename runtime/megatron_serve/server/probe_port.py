@@ -9,7 +9,9 @@ These pieces run in the probe process (:mod:`.probe_process`), beside the server
 - whether the server drains, and whether its event loop still turns at all, come from the stamps
   the server sends (:class:`ProbeFacts`): ``/health`` is 503 once none came for
   ``--health-stall-timeout`` (a hung loop is restarted by the liveness probe; a loop seconds late
-  under load is busy, and alive).
+  under load is busy, and alive), and ``/ready`` once none came for
+  :data:`~megatron_serve.limits.READY_STALL_TIMEOUT`: a stopped server process cannot answer the requests a
+  load balancer would send it (before, ``/ready`` stayed 200 for the whole 60 s an API server was SIGSTOPped).
 
 The HTTP side (:class:`ProbeServer`) is one thread with a ``selectors`` loop; each answer is a few
 dictionary reads. The main port keeps its own ``/health`` and ``/ready``.
@@ -26,7 +28,8 @@ import time
 from typing import Any, Mapping
 
 from ..client.loop_thread import EventLoopThread
-from ..limits import HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, STATUS_INTERVAL, STATUS_TIMEOUT
+from ..limits import (HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, READY_STALL_TIMEOUT, STATUS_INTERVAL,
+                      STATUS_TIMEOUT)
 from .fleet import FleetMonitor
 
 logger = logging.getLogger("megatron_serve.server")
@@ -63,11 +66,14 @@ class FleetWatch:
 
 class ProbeFacts:
     """What the probe port answers from: the fleet watch, and the drain flag and last stamp that the server
-    process sends (:mod:`.probe_process`)."""
+    process sends (:mod:`.probe_process`). ``ready_deadline``: seconds without a stamp after which the server process
+    counts as not answering, and ``/ready`` is 503 (its main port cannot serve a request meanwhile)."""
 
-    def __init__(self, watch: FleetWatch, stall_timeout: float = HEALTH_STALL_TIMEOUT) -> None:
+    def __init__(self, watch: FleetWatch, stall_timeout: float = HEALTH_STALL_TIMEOUT,
+                 ready_deadline: float = READY_STALL_TIMEOUT) -> None:
         self.watch = watch
         self.stall_timeout = stall_timeout
+        self.ready_deadline = ready_deadline
         self.draining = False
         self.server_ready = False  # the main port's /ready verdict, from the server's last stamp
         self.loop_seen = time.monotonic()
@@ -75,26 +81,40 @@ class ProbeFacts:
     def health(self) -> tuple[int, dict[str, Any]]:
         silent = time.monotonic() - self.loop_seen
         if silent > self.stall_timeout:
-            return 503, {"status": "stalled", "detail": f"the server's event loop has not run for {silent:.0f}s "
-                                                        f"(--health-stall-timeout {self.stall_timeout:g})"}
-        return 200, {"status": "ok"}
+            return 503, {"status": "stalled", "missing": ["server"],
+                         "detail": f"the server's event loop has not run for {silent:.0f}s "
+                                   f"(--health-stall-timeout {self.stall_timeout:g})"}
+        return 200, {"status": "ok", "missing": self._missing(silent)}
 
     def ready(self) -> tuple[int, dict[str, Any]]:
         """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop; until the
-        watch has had a first status, from the main port's verdict (the two ports agree from the start)."""
+        watch has had a first status, from the main port's verdict (the two ports agree from the start). 503 while
+        the server process has sent no stamp for ``ready_deadline`` (stopped, or its loop hung): the facts it
+        stamped last are no answer for now."""
         monitor = self.watch.monitor
+        silent = time.monotonic() - self.loop_seen
+        frozen = (f"the server process has not answered for {silent:.1f}s (its deadline is "
+                  f"{self.ready_deadline:g}s): it is stopped or its event loop hangs") if silent > self.ready_deadline \
+            else None
         if monitor.status is None and not self.draining:
-            detail = None if self.server_ready else "the server is not ready (this port's own connection to the " \
-                                                    "coordinator is not up yet)"
+            detail = frozen or (None if self.server_ready else "the server is not ready (this port's own connection "
+                                                               "to the coordinator is not up yet)")
             return (200 if detail is None else 503), {"ready": detail is None, "state": None,
                                                       "coordinator_reachable": self.server_ready, "busy": False,
-                                                      "engines": 0, "detail": detail}
+                                                      "engines": 0, "detail": detail,
+                                                      "missing": [] if detail is None else ["server"]}
         reachable = monitor.reachable
-        detail = "this server is shutting down (draining)" if self.draining else monitor.not_ready_reason()
+        detail = frozen or ("this server is shutting down (draining)" if self.draining else None) \
+            or monitor.not_ready_reason()
         body = {"ready": detail is None, "state": monitor.state if reachable else None,
                 "coordinator_reachable": reachable, "busy": monitor.busy, "engines": len(monitor.engines),
-                "detail": detail}
+                "detail": detail, "missing": self._missing(silent)}
         return (200 if detail is None else 503), body
+
+    def _missing(self, silent: float) -> list[str]:
+        """The parts missing, as the main port names them (``server``: draining, or silent past the deadline)."""
+        server = ["server"] if self.draining or silent > self.ready_deadline else []
+        return [*self.watch.monitor.missing(), *server] if self.watch.monitor.status is not None else server
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}

@@ -19,17 +19,21 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
     monitor = ctx.monitor
 
     @app.get("/health", response_model=HealthResponse, tags=["probes"],
-             description="200 while this process is up (liveness).")
+             description="200 while this process is up (liveness); `missing` names what keeps requests from being "
+                         "served now, as `/ready` does.")
     async def health() -> HealthResponse:
-        return HealthResponse()
+        draining = ["server"] if ctx.drain.draining.is_set() else []
+        return HealthResponse(missing=[*monitor.missing(), *draining])
 
     @app.get("/ready", response_model=ReadyResponse, tags=["probes"],
              responses={503: {"model": ReadyResponse, "description": "not serving now: the coordinator is "
-                                                                    "unreachable, the fleet is not RUNNING, or this "
-                                                                    "server is shutting down"}},
-             description="200 while requests are served now: the coordinator answers, the fleet is RUNNING and "
-                         "this server is not draining (readiness). A PAUSED or SUSPENDED fleet still accepts requests "
-                         "(they wait), but is not ready. `/health` is the liveness answer.")
+                                                                    "unreachable, the fleet is not RUNNING, no engine "
+                                                                    "can take a request, or this server is shutting "
+                                                                    "down (`missing` names which)"}},
+             description="200 while requests are served now: the coordinator answers, the fleet is RUNNING, an "
+                         "engine can take a request and this server is not draining (readiness). A PAUSED or "
+                         "SUSPENDED fleet, or one without engines, still accepts requests (they wait), but is not "
+                         "ready. `/health` is the liveness answer.")
     async def ready() -> Response:
         await monitor.wait_first_poll()
         if monitor.reachable:
@@ -38,7 +42,7 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
         detail = draining or monitor.not_ready_reason()
         body = ReadyResponse(ready=detail is None, state=monitor.state if monitor.reachable else None,
                              coordinator_reachable=monitor.reachable, busy=monitor.busy, engines=len(monitor.engines),
-                             detail=detail)
+                             detail=detail, missing=[*monitor.missing(), *(["server"] if draining else [])])
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", tags=["probes"], response_class=Response,
