@@ -135,6 +135,28 @@ def test_lora_modules_files_are_checked_before_an_engine_starts(tiny_model, tmp_
                         "--lora-modules", f"wide={wide}"]))
 
 
+def test_a_missing_lora_directory_is_refused_before_the_model_is_fetched_or_converted(tmp_path, monkeypatch):
+    """Issue 87: the refusal came after the model's slow steps (a GGUF file's first conversion: 16.6 s); a model that
+    would have to be fetched shows the order (offline here: fetching it fails with another message)."""
+    from megatron_serve.commands.run import run  # noqa: PLC0415
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for path, reason in ((tmp_path / "missing", "does not exist"), (tmp_path / "file", "is not a directory")):
+        (tmp_path / "file").write_text("")
+        with pytest.raises(ValueError, match=f"^LoRA adapter 'gone': '{path}' {reason}$"):
+            run(parse_args(["serve", "nobody/no-such-model", "--enable-lora", "--lora-modules", f"gone={path}"]))
+
+
+@pytest.mark.parametrize("flags", [["--enable-expert-parallel"], ["--enable-expert-parallel", "--enable-eplb"]])
+def test_expert_parallelism_for_a_model_without_experts_is_refused_in_one_line(tiny_model, flags):
+    """Issue 87: accepted without a word on a dense model, where it places and balances nothing."""
+    from megatron_serve.commands.run import run  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=f"^{' '.join(flags)}: LlamaForCausalLM has no experts .*leave"):
+        run(parse_args(["run", "--model", tiny_model, *flags]))
+
+
 @pytest.mark.parametrize("layout,reason", [
     (["--tensor-parallel-size", "3"], "num_attention_heads=4 does not split over 3 tensor-parallel ranks"),
     (["--pipeline-parallel-size", "5"], "2 layers do not split into 5 pipeline stages"),

@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if config.lora_modules and served in config.lora_modules:
         raise ValueError(f"--lora-modules: an adapter named {served!r} would shadow the served model's name; "
                          "choose another name")
+    check_adapter_directories(config.lora_modules or {})  # before a model is converted or torch imported
     api_key = read_api_key(args)
     token = read_token(args)
     from ..coordinator import check_secret  # noqa: PLC0415
@@ -181,15 +182,33 @@ def run(args: argparse.Namespace) -> int:
     return run_loop(_Stack(args, config, api_key, token, files, ports).main())
 
 
+def check_adapter_directories(lora_modules: dict[str, str]) -> None:
+    """``--lora-modules`` directories that are missing (or files), refused in one line at once: the rest of each
+    adapter is read once the model's config is known (:func:`check_model_fits`)."""
+    from ..wire.lora_names import directory_problem  # noqa: PLC0415
+
+    for name, path in lora_modules.items():
+        problem = directory_problem(name, path)
+        if problem is not None:
+            raise ValueError(problem)
+
+
 def check_model_fits(model: str, config: InferenceConfig) -> None:
-    """What the engines would refuse once they loaded the model, refused now in one line: a layout the model cannot
-    split into, and ``--lora-modules`` adapters that are missing or of too high a rank."""
+    """What the engines would refuse or ignore once they loaded the model, refused now in one line: a layout the
+    model cannot split into, expert parallelism or EPLB for a model without experts, and ``--lora-modules``
+    adapters of too high a rank."""
     from ..model.config import ModelConfig  # noqa: PLC0415
     from ..model.layout import check_layout  # noqa: PLC0415
 
     model_config = ModelConfig.from_dir(model)
     check_layout(model_config.num_layers, model_config.num_heads, config.tensor_parallel_size,
                  config.pipeline_parallel_size)
+    expert_flags = [flag for flag, on in (("--enable-expert-parallel", config.enable_expert_parallel),
+                                          ("--enable-eplb", config.enable_eplb)) if on]
+    if expert_flags and model_config.moe is None:
+        raise ValueError(f"{' '.join(expert_flags)}: {model_config.architecture} has no experts (not a "
+                         "mixture-of-experts model), so there is nothing to place or balance: leave "
+                         f"{'them' if len(expert_flags) > 1 else 'it'} out")
     if config.lora_modules:
         from ..model.lora.checkpoint import read_adapter  # noqa: PLC0415 - torch: only where adapters are served
 

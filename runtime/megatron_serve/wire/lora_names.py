@@ -12,6 +12,7 @@ Standard library only: the HTTP server imports it without torch.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 MAX_NAME_CHARS = 128
 MAX_PATH_CHARS = 4096
@@ -47,4 +48,15 @@ def path_problem(name: str, path: object) -> str | None:
     if len(path) > MAX_PATH_CHARS or _CONTROL_CHAR.search(path):
         return (f"LoRA adapter {shown(name)}: path {shown(path)} is not allowed: at most {MAX_PATH_CHARS} characters, "
                 "no control characters")
+    return None
+
+
+def directory_problem(name: str, path: str | Path) -> str | None:
+    """Why the adapter directory at ``path`` cannot be read (missing, or not a directory), or None: a look at the
+    file system only, so that ``run`` says it before any slow step (a model's conversion, torch's import)."""
+    directory = Path(path)
+    if not directory.exists():
+        return f"LoRA adapter {name!r}: {shown(str(directory))} does not exist"
+    if not directory.is_dir():
+        return f"LoRA adapter {name!r}: {shown(str(directory))} is not a directory"
     return None

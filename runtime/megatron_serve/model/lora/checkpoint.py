@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..finite import NonFiniteWeights, refuse_nonfinite
-from ...wire.lora_names import shown
+from ...wire.lora_names import directory_problem, shown
 from ..config import ModelConfig
 from .experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
 
@@ -229,10 +229,9 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     """Read and check adapter ``name`` at ``path`` against the base model ``config``; the files' sizes are checked
     before either is read (:data:`MAX_CONFIG_BYTES`, :func:`max_adapter_bytes`)."""
     directory = Path(path)
-    if not directory.exists():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {shown(str(directory))} does not exist")
-    if not directory.is_dir():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {shown(str(directory))} is not a directory")
+    problem = directory_problem(name, directory)
+    if problem is not None:
+        raise LoraAdapterError(problem)
     config_path = _file_of(name, directory, CONFIG_FILE, MAX_CONFIG_BYTES)
     weights_path = _file_of(name, directory, WEIGHTS_FILE, max_adapter_bytes(config, max_rank))
     rank, scaling, experts = _read_config(name, config_path, max_rank)
