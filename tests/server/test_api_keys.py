@@ -57,22 +57,31 @@ async def test_every_route_asks_for_the_key_the_rule_names(tokenizer):
     assert key_for("/tokenize") == key_for("/detokenize") == "api"
 
 
-def test_the_banner_prints_the_key_the_way_it_was_given(monkeypatch):
+def test_the_banner_prints_a_command_that_works_without_the_key_in_it(monkeypatch):
+    """The banner goes to logs: a key from --api-key (kept out of ``ps`` or not) is a variable the user sets, a
+    single key file is read by its path, and a key document (tenants) is not sent whole as a key (a 400)."""
     class Args:
         api_key, api_key_file = None, None
 
     monkeypatch.delenv("MEGATRON_SERVE_API_KEY", raising=False)
     args = Args()
-    assert bearer_header(args) == ""
+    assert bearer_header(args, None) == ("", "")
+    variable = ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"'
     args.api_key = "sk-it's"
-    assert bearer_header(args) == " -H 'Authorization: Bearer sk-it'\"'\"'s'"  # quoted for the shell
+    assert bearer_header(args, "sk-it's") == (variable, "with MEGATRON_SERVE_API_KEY set to the key given by --api-key")
     args.api_key, args.api_key_file = None, "/keys/my key"
-    assert bearer_header(args) == ' -H "Authorization: Bearer $(cat \'/keys/my key\')"'
+    assert bearer_header(args, "sk-file") == (' -H "Authorization: Bearer $(cat \'/keys/my key\')"', "")
+    document = "keys:\n  - {key: sk-a, tenant: team-a}\n"
+    assert bearer_header(args, document) == (variable, "with MEGATRON_SERVE_API_KEY set to one of the keys in "
+                                                       "/keys/my key")
     args.api_key_file = None
     monkeypatch.setenv("MEGATRON_SERVE_API_KEY", "from-the-environment")
-    assert bearer_header(args) == ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"'
-    command = curl_example("http://127.0.0.1:8000", "m", bearer_header(args))
-    assert re.match(r"curl http://127\.0\.0\.1:8000/v1/completions -H 'Content-Type: application/json' -H", command)
+    assert bearer_header(args, "from-the-environment") == (variable, "")
+    command = curl_example("http://127.0.0.1:8000", "m", *bearer_header(args, "from-the-environment"))
+    assert re.match(r"try: curl http://127\.0\.0\.1:8000/v1/completions -H 'Content-Type: application/json' -H",
+                    command)
+    noted = curl_example("http://127.0.0.1:8000", "m", variable, "with X set")
+    assert noted.startswith("try (with X set): curl ") and "sk-" not in noted
 
 
 async def test_a_client_that_sets_no_header_presents_its_keys_from_netrc(tokenizer, tmp_path, monkeypatch):

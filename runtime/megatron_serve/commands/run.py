@@ -222,21 +222,32 @@ def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, A
     return ModelFacts.from_dir(args.model, args.served_model_name), files.load_tokenizer()
 
 
-def bearer_header(args: argparse.Namespace) -> str:
-    """curl's ``-H`` argument with the API key as it was given (``--api-key``, ``--api-key-file``, the
-    environment), so that the printed command works as it is; empty without a key."""
+def bearer_header(args: argparse.Namespace, api_key: str | None) -> tuple[str, str]:
+    """curl's ``-H`` argument for the API key ``api_key`` as it was given, and what the user sets first (empty when
+    the command works as it is); both empty without a key. The banner goes to logs, so the key itself is never in it
+    (it was, from ``--api-key``): a single key file is read by its path, and a key given on the command line or one
+    of a key document's is the variable ``$MEGATRON_SERVE_API_KEY`` (a document's text was sent whole as the key)."""
+    from ..server.tenants import is_document  # noqa: PLC0415
+
+    if api_key is None:
+        return "", ""
+    variable = f' -H "Authorization: Bearer ${API_KEY_ENV}"'
     if args.api_key is not None:
-        return " -H " + shlex.quote(f"Authorization: Bearer {args.api_key}")
+        return variable, f"with {API_KEY_ENV} set to the key given by --api-key"
+    if args.api_key_file and is_document(api_key):
+        return variable, f"with {API_KEY_ENV} set to one of the keys in {args.api_key_file}"
     if args.api_key_file:
-        return f' -H "Authorization: Bearer $(cat {shlex.quote(args.api_key_file)})"'
-    if os.environ.get(API_KEY_ENV):
-        return f' -H "Authorization: Bearer ${API_KEY_ENV}"'
-    return ""
+        return f' -H "Authorization: Bearer $(cat {shlex.quote(args.api_key_file)})"', ""
+    if is_document(api_key):
+        return variable, f"with {API_KEY_ENV} set to one of its document's keys"
+    return variable, ""  # the key is that variable already
 
 
-def curl_example(url: str, model: str, bearer: str = "") -> str:
+def curl_example(url: str, model: str, bearer: str = "", note: str = "") -> str:
+    """The banner's ``try: curl ...``; ``note``: what to set first."""
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
-    return f"curl {url}/v1/completions -H 'Content-Type: application/json'{bearer} -d {shlex.quote(body)}"
+    command = f"curl {url}/v1/completions -H 'Content-Type: application/json'{bearer} -d {shlex.quote(body)}"
+    return f"try ({note}): {command}" if note else f"try: {command}"
 
 
 class _Stack:
@@ -432,8 +443,8 @@ class _Stack:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
             progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}"
                         f"{probes_note(probes)}")
-            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {self.fleet.num_engines} engine(s)); try: "
-                f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
+            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {self.fleet.num_engines} engine(s)); "
+                f"{curl_example(url, facts.name, *bearer_header(args, self.api_key))}")
 
         freeze_startup_heap()
         defer_young_collections()
