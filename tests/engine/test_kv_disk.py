@@ -9,6 +9,7 @@ truncated file recomputed and, refitted, none of the old files.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -318,3 +319,101 @@ def test_a_step_does_not_wait_for_a_disk_read(tiny_llama, written):
     assert reader.cached_tokens == 5 * BLOCK and files.hits == 5
     assert reader.generated_tokens == first["tokens"][0] and reader.generated_log_probs == first["log_probs"][0]
     engine.shutdown()
+
+
+SMALL_FS = 64 * 1024
+
+
+class _FullFile:
+    """A file of the simulated small filesystem: a write past its room writes what fits, then raises ENOSPC."""
+
+    def __init__(self, path, mode, root: Path):
+        self.file, self.root = open(path, mode), root
+
+    def write(self, data) -> int:
+        room = SMALL_FS - sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        size = memoryview(data).nbytes
+        if size > room:
+            self.file.write(memoryview(data).cast("B")[: max(room, 0)])
+            self.file.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path, monkeypatch):
+    """A 64 KiB filesystem of its own (about 40 block files): a tmpfs mounted for the test where it runs as root (a
+    full filesystem, for real), else a simulation of one (the disk tier's ``open`` and the free room it reads)."""
+    from megatron_serve.engine.kv import disk as disk_module, disk_io
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS}", "tmpfs", str(mount)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    if mounted:
+        yield mount
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+        return
+    used = lambda: sum(p.stat().st_size for p in mount.rglob("*") if p.is_file())  # noqa: E731
+    monkeypatch.setattr(disk_module, "open", lambda path, mode: _FullFile(path, mode, mount), raising=False)
+    monkeypatch.setattr(disk_io.os, "statvfs", lambda _path: os.statvfs_result(
+        (4096, 1, 16, 16, (SMALL_FS - used()) // 1, 0, 0, 0, 0, 255)))
+    yield mount
+
+
+def test_a_full_filesystem_leaves_no_temporary_file_logs_once_and_stops_writing_until_it_has_room(
+        small_filesystem, caplog, monkeypatch):
+    """Issue 86: every write that failed with ENOSPC left its temporary file (6,609 in 2 minutes, past a restart)
+    and logged a warning (12,957). The bound here (1,000 blocks) is far above the filesystem's room (about 40)."""
+    from megatron_serve.engine.kv import disk_io
+
+    disk = tier(small_filesystem, blocks=1000)
+    io = DiskIO(disk, empty(), depth=4)
+    caplog.set_level("WARNING", logger="megatron_serve.engine")
+    for block_hash in range(200):
+        queued = io.spill(block_hash, slot(block_hash), None, 0)
+        if queued is not None:
+            queued.result(timeout=60)
+    names = [path.name for path in small_filesystem.rglob("*") if path.is_file()]
+    assert not [name for name in names if name.startswith(".tmp-")], names
+    written = sum(name.endswith(".kv") for name in names)
+    assert 0 < written < 200 and io.full and io.write_errors == 1  # one failed write, then no more tries
+    assert io.dropped == 200 - written - 1
+    warnings = [r.getMessage() for r in caplog.records if "KV disk tier" in r.getMessage()]
+    assert len(warnings) == 1 and "is full" in warnings[0], warnings
+
+    monkeypatch.setattr(disk_io, "ROOM_CHECK_S", 0.0)  # looked at every spill from now (once a second in use)
+    assert io.spill(500, slot(500), None, 0) is None  # still full: dropped, no write tried
+    for block_hash in range(20):
+        disk.path(block_hash, 0).unlink(missing_ok=True)  # room comes back
+    io.spill(500, slot(500), None, 0).result(timeout=60)
+    assert disk.path(500, 0).exists() and not io.full
+    assert "has room again" in caplog.records[-1].getMessage()
+    io.close()
+
+
+def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path):
+    """The scan at start removes the temporary files of processes that no longer exist, whatever their age (the
+    clean-up skipped files younger than a minute and ran once per tenth of the bound written), and keeps a live
+    writer's."""
+    disk = tier(tmp_path)
+    disk.write(1, slot(1), None)
+    epoch_dir = disk.path(1, 0).parent
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    left = [epoch_dir / f".tmp-{dead_pid}-{2:016x}.kv", epoch_dir / f".tmp-{os.getpid()}-{3:016x}.kv"]
+    live = epoch_dir / f".tmp-{os.getppid()}-{4:016x}.kv"  # a writer still at work
+    for path in (*left, live):
+        path.write_bytes(b"part of a block")
+    tier(tmp_path)  # an engine starts on the directory
+    assert [path.exists() for path in left] == [False, False] and live.exists()
+    assert disk.path(1, 0).exists()

@@ -42,6 +42,7 @@ from typing import Callable, Iterator, NamedTuple
 import msgspec
 import torch
 
+from ...fleet.lifeline import process_exists
 from ...wire.kv_events import MEDIUM_DISK
 from .events import BlockOrigin, KVEventLog
 
@@ -110,7 +111,7 @@ class DiskKVTier:
         self.written = self.hits = self.misses = self.corrupt = self.evicted = 0
         self.bytes_written = self.bytes_read = 0  # this engine's file I/O (the metrics' kv_disk_io_bytes)
         with self._locked():
-            self._trim(force=True)  # the ledger starts from what is there (a writer may have died mid-update)
+            self._trim(force=True, starting=True)  # the ledger starts from what is there (a writer may have died)
 
     def close(self) -> None:
         os.close(self._lock_fd)
@@ -161,12 +162,16 @@ class DiskKVTier:
             checksum.update(part)
         length = sum(part.nbytes for part in payload)
         temporary = target.with_name(f"{TEMP_PREFIX}{os.getpid()}-{target.name}")
-        with open(temporary, "wb") as file:
-            file.write(HEADER.pack(MAGIC, block_hash, epoch, self.layout, len(meta), length, checksum.digest()))
-            file.write(meta)
-            for part in payload:
-                file.write(part.data)
-        os.replace(temporary, target)  # whole or not at all, for every reader
+        try:
+            with open(temporary, "wb") as file:
+                file.write(HEADER.pack(MAGIC, block_hash, epoch, self.layout, len(meta), length, checksum.digest()))
+                file.write(meta)
+                for part in payload:
+                    file.write(part.data)
+            os.replace(temporary, target)  # whole or not at all, for every reader
+        except BaseException:
+            self._unlink(temporary)  # a full disk (ENOSPC) left it in part: nobody else would remove it
+            raise
         size = HEADER.size + len(meta) + length
         self.written += 1
         self.bytes_written += size
@@ -257,9 +262,11 @@ class DiskKVTier:
             if total > self.capacity_bytes or self._written_since_scan >= self._scan_every:
                 self._trim(force=total > self.capacity_bytes)
 
-    def _trim(self, force: bool) -> None:
+    def _trim(self, force: bool, starting: bool = False) -> None:
         """Measure the directory (lock held), set the ledger to it and, over the bound (``force``: check it), remove
-        the least recently used files down to :data:`EVICT_TO` of it, and temporary files left by dead writers."""
+        the least recently used files down to :data:`EVICT_TO` of it, and temporary files left by dead writers (of a
+        process that is gone, or older than :data:`STALE_TEMP_S`; ``starting``: this process's own too, left by an
+        earlier process of the same id)."""
         self._written_since_scan = 0
         files, total, now = [], 0, time.time()
         for layout_dir in _dirs(self.root):
@@ -270,7 +277,7 @@ class DiskKVTier:
                     except FileNotFoundError:
                         continue
                     if entry.name.startswith(TEMP_PREFIX):
-                        if now - stat.st_mtime > STALE_TEMP_S:
+                        if now - stat.st_mtime > STALE_TEMP_S or _orphaned(entry.name, starting):
                             self._unlink(entry.path)
                         continue
                     if entry.name.endswith(SUFFIX):
@@ -351,6 +358,16 @@ def _entries(path: Path) -> list[os.DirEntry]:
             return [entry for entry in entries if entry.name.endswith(SUFFIX)]
     except FileNotFoundError:
         return []
+
+
+def _orphaned(name: str, starting: bool) -> bool:
+    """Whether the temporary file ``name`` (``.tmp-<pid>-<hash>.kv``) was left by a writer that is gone: its process
+    no longer exists, or it is this process's own while it starts (its id reused)."""
+    try:
+        pid = int(name.removeprefix(TEMP_PREFIX).split("-", 1)[0])
+    except ValueError:
+        return False
+    return (starting and pid == os.getpid()) or not process_exists(pid)
 
 
 def _hash_of(name: str) -> int | None:
