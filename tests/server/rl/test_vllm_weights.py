@@ -68,7 +68,8 @@ def test_the_routes_answer_with_vllm_names_and_refuse_what_they_cannot_do(fleet)
     assert post("/finish_weight_update", json={}).status_code == 401  # the admin key, like every weight route
     neither = post("/update_weights", json={"names": ["x"]}, headers=ADMIN)
     assert neither.status_code == 400 and "update_info" in neither.text and "weight_dir" in neither.text
-    assert post("/finish_weight_update", json={}, headers=ADMIN).status_code == 409  # nothing started
+    assert post("/finish_weight_update", json={}, headers=ADMIN).json() == {  # nothing started: vLLM's 200
+        "message": "Weight update finished", "weight_version": "6"}
     assert post("/update_weight_version", json={"new_version": "6"}, headers=ADMIN).json() == {
         "success": True, "new_version": "6"}
     moved = post("/update_weight_version", json={"new_version": "9"}, headers=ADMIN)
@@ -79,17 +80,21 @@ def test_the_routes_answer_with_vllm_names_and_refuse_what_they_cannot_do(fleet)
     assert version.status_code == 400 and version.json()["error"]["code"] == "invalid_weight_version"
 
 
-def test_skyrls_bracket_through_collective_rpc_commits_once_under_the_next_epoch(fleet, checkpoints):
-    """SkyRL's ``RemoteInferenceClient`` brackets vLLM's ``/update_weights`` with its worker methods
-    (``skyrl/backends/skyrl_train/inference_servers/rdt_control_protocol.py``)."""
+def test_skyrls_worker_methods_through_collective_rpc_commit_once_under_the_next_epoch(fleet, checkpoints):
+    """SkyRL HEAD's fully-async sync (``weight_trainer.skyrl``): its worker methods, ``update_weights_nccl`` among
+    them, on a fleet it paused in keep mode; one REFIT at ``skyrl_finish_weight_update``, the fleet paused until
+    SkyRL's ``/resume``."""
     lines = run_trainer(fleet, "vllm", checkpoints.b, "--skyrl")
-    assert [(line["call"], line["status"], line["body"]) for line in lines][1:] == [
-        ("/collective_rpc", 200, {"results": [None]}), ("/update_weights", 200, {"message": "Weights updated"}),
-        ("/collective_rpc", 200, {"results": [None]})]
+    assert [(line["call"], line["status"]) for line in lines][1:] == [
+        ("/pause?mode=keep&clear_cache=false", 200), *[("/collective_rpc", 200)] * 6, ("/resume", 200)]
+    assert all(line["body"] == {"results": [None]} for line in lines if line["call"] == "/collective_rpc")
     assert completions(fleet) == (checkpoints.texts.b, {7})
-    for method in ("update_weights_rdt", "reload_weights"):
+    for method in ("update_weights_rdt", "update_weights_ipc", "reload_weights"):
         refused = fleet.http.post("/collective_rpc", json={"method": method}, headers=ADMIN)
         assert refused.status_code == 400 and method in refused.json()["error"]["message"]
+    wrong = fleet.http.post("/collective_rpc", json={"method": "skyrl_wake_for_weight_sync",
+                                                     "kwargs": {"tags": ["gpu"]}}, headers=ADMIN)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "kwargs.tags"
 
 
 def test_trls_own_vllm_client_pushes_a_checkpoint_through_the_routes(fleet, checkpoints):

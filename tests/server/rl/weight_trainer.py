@@ -7,8 +7,8 @@ collective is gloo (:mod:`megatron_serve.client.trainer_group`) where the framew
 
 Options: ``--version N`` (the weight version to name), ``--corrupt name|shape|dtype`` (the last tensor announced
 under a name the model lacks, with a wrong shape, or with a dtype that cannot travel), ``--unpacked`` (vLLM: one
-broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL's bracket:
-its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes), ``--backend nccl`` (vLLM:
+broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL HEAD's sync: its
+worker methods through ``/collective_rpc``, see :func:`skyrl`), ``--backend nccl`` (vLLM:
 the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg), ``--legacy``
 (primerl-nccl: the body of prime-rl's earlier orchestrators, ``server_rank`` and ``num_inference_server``).
 
@@ -91,18 +91,37 @@ def vllm(calls: Calls, args: argparse.Namespace) -> None:
                                lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120, backend=args.backend))
     update_info = {"names": [n for n, _ in named], "dtype_names": dtypes, "shapes": [list(t.shape) for _, t in named]}
     if args.skyrl:
-        calls.post("/collective_rpc", {"method": "skyrl_start_weight_update"})
-    elif not args.no_start:
+        skyrl(calls, group, named, update_info)
+        return
+    if not args.no_start:
         calls.post("/start_weight_update", {"is_checkpoint_format": True})
     if args.corrupt == "dtype":  # refused before any byte moves: nothing to broadcast
         calls.post("/update_weights", {"update_info": update_info})
         return
     calls.alongside("/update_weights", {"update_info": update_info},
                     lambda: trainer_send_weights(named, group, packed=not args.unpacked))
-    if args.skyrl:
-        calls.post("/collective_rpc", {"method": "skyrl_finish_weight_update"})
-    elif not args.no_start:
+    if not args.no_start:
         calls.post("/finish_weight_update", {"weight_version": args.version} if args.version else {})
+
+
+def skyrl(calls: Calls, group: Any, named: list[tuple[str, torch.Tensor]], update_info: dict) -> None:
+    """SkyRL HEAD (a956457)'s fully-async weight sync with the KV offloaded (``workers/worker_dispatch.py``, the
+    client calls of ``inference_servers/remote_inference_client.py``, the sender of
+    ``weight_sync/broadcast_strategy.py``'s ``_send_chunks_vllm_native``): ``/pause?mode=keep``, its worker methods
+    through ``/collective_rpc`` (sleep, wake the weights, start, ``update_weights_nccl`` alongside the packed
+    broadcast, finish, wake the KV cache), ``/resume``."""
+    calls.post("/pause?mode=keep&clear_cache=false")
+    rpc = [("skyrl_sleep_for_weight_sync", {"offload_kv": True}), ("skyrl_wake_for_weight_sync", {"tags": ["weights"]}),
+           ("skyrl_start_weight_update", {"is_checkpoint_format": True})]
+    for method, kwargs in rpc:
+        calls.post("/collective_rpc", {"method": method, "kwargs": kwargs})
+    calls.alongside("/collective_rpc", {"method": "update_weights_nccl",
+                                        "kwargs": {"update_info": {**update_info, "packed": True}}},
+                    lambda: trainer_send_weights(named, group, packed=True))
+    calls.post("/collective_rpc", {"method": "skyrl_finish_weight_update"})
+    calls.post("/collective_rpc", {"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["kv_cache"]}})
+    calls.post("/resume")
+
 
 def trl_client(_: Calls, args: argparse.Namespace) -> None:
     """TRL 1.16's own ``VLLMClient`` (``trl/generation/vllm_client.py``), unchanged but for vLLM's NCCL trainer

@@ -137,6 +137,10 @@ class Query:
             raise bad_request(f"{name} is given {len(values)} times; give it once", param=name)
         return values[0] if values else None
 
+    def text(self, name: str) -> str | None:
+        """The parameter as given, once; None: absent."""
+        return self._one(name)
+
     def flag(self, name: str, default: bool) -> bool:
         value = self._one(name)
         if value is None:

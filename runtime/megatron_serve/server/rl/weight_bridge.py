@@ -40,6 +40,7 @@ class TrainerGroup:
         self.layout = layout
         self._stores = stores  # held: a store this server serves goes with it
         self._groups = groups
+        self.moved: Callable[[], None] = lambda: None  # called after each broadcast received: progress
 
     @classmethod
     def join(cls, layout: Layout, timeout: float) -> "TrainerGroup":
@@ -56,13 +57,19 @@ class TrainerGroup:
     def receive(self, metas: list[TensorMeta], packed: bool, buffer_bytes: int = PACKED_BUFFER_BYTES
                 ) -> list[tuple[str, torch.Tensor]]:
         """The announced tensors, in host memory, as the trainer broadcasts them (packed or one by one)."""
-        return _each([lambda group=group: _receive(group, self.layout, metas, packed, buffer_bytes)
+        return _each([lambda group=group: _receive(lambda numel, dtype: self._read(group, numel, dtype), metas, packed,
+                                                   buffer_bytes)
                       for group in self._groups])[0]
 
     def receive_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One broadcast of ``numel`` elements of ``dtype``, in host memory (a protocol that frames its own stream,
         prime-rl's)."""
-        return _each([lambda group=group: _broadcast(group, self.layout, numel, dtype) for group in self._groups])[0]
+        return _each([lambda group=group: self._read(group, numel, dtype) for group in self._groups])[0]
+
+    def _read(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = _broadcast(group, self.layout, numel, dtype)
+        self.moved()
+        return tensor
 
     def barrier(self) -> None:
         """Every rank of the group (TRL's client waits on one after each tensor)."""
@@ -100,14 +107,14 @@ def _towards(host: str) -> str:
     return socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else local_address_towards(host)
 
 
-def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], packed: bool,
+def _receive(read: Callable[[int, torch.dtype], torch.Tensor], metas: list[TensorMeta], packed: bool,
              buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
+    """The announced tensors, each broadcast read by ``read(numel, dtype)``."""
     received: list[tuple[str, torch.Tensor]] = []
     if not packed:  # each tensor as the trainer holds it
-        return [(meta.name, _broadcast(group, layout, math.prod(meta.shape), torch_dtype(meta.dtype)).view(meta.shape))
-                for meta in metas]
+        return [(meta.name, read(math.prod(meta.shape), torch_dtype(meta.dtype)).view(meta.shape)) for meta in metas]
     for chunk in packed_chunks(metas, buffer_bytes):  # bytes, as vLLM's sender packs them
-        host = _broadcast(group, layout, sum(meta.nbytes for meta in chunk), torch.uint8)
+        host = read(sum(meta.nbytes for meta in chunk), torch.uint8)
         offset = 0
         for meta in chunk:  # a copy each: packed bytes start anywhere, and a view needs its dtype's alignment
             piece = host[offset:offset + meta.nbytes].clone()

@@ -96,17 +96,18 @@ class PrimeRL:
 
     async def init_broadcaster(self, body: BroadcasterRequest | LegacyBroadcasterRequest) -> None:
         layout = body.layout(self.updates.backend_for(None))
-        async with self.updates.lock:
-            self.broadcaster = None  # a join that fails leaves no broadcaster
-            self.broadcaster = await self.updates.open(layout, body.timeout)
+        self.broadcaster = None  # a join that fails leaves no broadcaster
+        self.broadcaster = await self.updates.open(layout, body.timeout)
 
     async def update_weights(self, body: WeightDirRequest) -> dict[str, Any]:
         """The broadcast the trainer sends now, or (no broadcaster) the directory: one REFIT, the next epoch."""
-        async with self.updates.lock:
-            if self.broadcaster is None or self.updates.group is not self.broadcaster:
-                await self.updates.refit_directory(body.weight_dir, None)
-            else:
+        broadcast = self.broadcaster is not None and self.updates.group is self.broadcaster
+        async with self.updates.hold("receiving prime-rl's broadcast" if broadcast
+                                     else f"reading the directory {body.weight_dir}"):
+            if broadcast:
                 await self.updates.refit_tensors(await self._broadcast(), None)
+            else:
+                await self.updates.refit_directory(body.weight_dir, None)
         return {"status": "ok"}
 
     async def _broadcast(self) -> list[tuple[str, torch.Tensor]]:

@@ -99,7 +99,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
             raise bad_request(f"load_format {body.load_format!r}: the engines read the directory's safetensors "
                               "(load_format unset, auto or safetensors)", param="load_format")
         epoch = epoch_of(body.weight_version)
-        async with updates.lock:
+        async with updates.hold(f"reading the directory {body.model_path}"):
             ack = await updates.refit_directory(body.model_path, epoch, pause=body.pause(), keep_paused=body.keep_pause)
         return {"success": True, "message": f"Succeeded to update model weights (epoch {ack['detail']['epoch']}).",
                 "num_paused_requests": 0}
@@ -113,10 +113,9 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
                                           backend, sglang_prefixes(body.group_name, backend))
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        async with updates.lock:
-            await updates.open(layout)
-            groups.clear()
-            groups.add(body.group_name)
+        await updates.open(layout)
+        groups.clear()
+        groups.add(body.group_name)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
@@ -131,7 +130,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
             metas = announced(body.names, body.dtypes, body.shapes)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        async with updates.lock:
+        async with updates.hold(f"receiving {len(metas)} tensors"):
             tensors = await updates.receive(metas, packed=False)
             ack = await updates.refit_tensors(tensors, epoch, pause=body.pause())
         return {"success": True, "message": f"Succeeded to update parameter online (epoch {ack['detail']['epoch']})."}
@@ -140,7 +139,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
     async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
         body = await read(request, DestroyRequest)
         _known(groups, body.group_name)
-        async with updates.lock:
+        async with updates.hold("leaving the trainer's group"):
             await updates.close()
             groups.clear()
         return {"success": True, "message": "Succeeded to destroy custom process group."}

@@ -82,8 +82,7 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
         await background.settle()
 
         async def join() -> None:
-            async with updates.lock:
-                await updates.open(layout)
+            await updates.open(layout)
 
         background.start(join())
         return {"message": "Request received, initializing communicator"}
@@ -99,7 +98,7 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
         updates.joined()
 
         async def load() -> None:
-            async with updates.lock:
+            async with updates.hold(f"receiving {body.name}"):
                 tensors = await updates.receive(metas, packed=False, barrier=True)
                 await updates.refit_tensors(tensors, None)
 
@@ -111,6 +110,6 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
         try:
             await background.settle()
         finally:
-            async with updates.lock:
+            async with updates.hold("leaving the trainer's group"):
                 await updates.close()
         return {"message": "Request received, closing communicator"}

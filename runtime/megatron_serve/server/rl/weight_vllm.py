@@ -11,7 +11,9 @@ A trainer (TRL >= 1.11, SkyRL, prime-rl, AReaL through vLLM's API) calls, in ord
 * ``POST /finish_weight_update {weight_version?}``: the commit point, one REFIT of every staged tensor (all or
   nothing, verified by every engine first), under epoch ``weight_version`` (default: the next one).
 
-``update_weights`` without ``start_weight_update`` (vLLM before 0.19) is its own commit point. ``GET /weight_info``
+``update_weights`` without ``start_weight_update`` (vLLM before 0.19) is its own commit point; ``finish_weight_update``
+with no update started changes nothing and answers 200, as vLLM's (TRL's async trainer sends one after a failed
+transfer). A weight version must be above the one served (:mod:`.weight_updates`). ``GET /weight_info``
 says the version served (the fleet's epoch); ``POST /update_weight_version {new_version}`` only confirms it,
 since a version here is the epoch stamped on tokens, which changes with the weights only; ``POST /weight_checker``
 (``checksum``, ``compare``) reads the checksums of what the fleet loaded through this server. The same
@@ -84,8 +86,6 @@ class CheckerRequest(Body):
 def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, primerl: PrimeRL, guard: list[Any]) -> None:
     """vLLM's weight routes on ``app`` (the admin key's ``guard``), prime-rl's ``{weight_dir}`` bodies to ``primerl``;
     see the module docstring."""
-    packing = {"packed": False, "buffer": PACKED_BUFFER_BYTES}  # what init_weight_transfer_engine said
-
     @app.post("/init_weight_transfer_engine", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
         info = (await read(request, InitRequest)).init_info
@@ -95,9 +95,8 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, primerl: PrimeR
                                           backend)
         except ValueError as exc:
             raise bad_request(str(exc), param="init_info") from None
-        async with updates.lock:
-            await updates.open(layout)
-        packing.update(packed=info.packed, buffer=info.packed_buffer_size_bytes)
+        await updates.open(layout)
+        updates.packing = (info.packed, info.packed_buffer_size_bytes)
         return {"message": "Weight transfer initialized"}
 
     @app.post("/start_weight_update", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
@@ -123,19 +122,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, primerl: PrimeR
             raise bad_request("POST /update_weights takes vLLM's {\"update_info\": {\"names\", \"dtype_names\", "
                               "\"shapes\", \"packed\"}} or prime-rl's {\"weight_dir\": DIR}; got keys "
                               f"{sorted(keys)}", code="invalid_request")
-        info = (await read(request, UpdateRequest)).update_info
-        try:
-            metas = announced(info.names, info.dtype_names, info.shapes)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="update_info") from None
-        packed = packing["packed"] if info.packed is None else info.packed
-        buffer = info.packed_buffer_size_bytes or packing["buffer"]
-        async with updates.lock:
-            tensors = await updates.receive(metas, bool(packed), int(buffer))
-            if updates.staged is None:  # no start_weight_update: this call is the commit point
-                await updates.refit_tensors(tensors, None)
-            else:
-                updates.stage(tensors)
+        await receive_update(updates, (await read(request, UpdateRequest)).update_info)
         return {"message": "Weights updated"}
 
     @app.post("/finish_weight_update", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
@@ -159,6 +146,28 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, primerl: PrimeR
         return {"weight_version": str(await updates.epoch())}
 
     _add_checker(app, updates, guard)
+
+
+async def receive_update(updates: WeightUpdates, info: UpdateInfo) -> None:
+    """One ``update_info``'s broadcast, received: staged in a started update, else committed (vLLM before 0.19). A
+    refusal ends the started update (what it staged is dropped): the trainer's next init is not held behind it."""
+    try:
+        try:
+            metas = announced(info.names, info.dtype_names, info.shapes)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="update_info") from None
+        packed = updates.packing[0] if info.packed is None else info.packed
+        buffer = info.packed_buffer_size_bytes or updates.packing[1]
+        async with updates.hold(f"receiving {len(metas)} tensors"):
+            tensors = await updates.receive(metas, bool(packed), int(buffer))
+            if updates.staged is None:  # no start_weight_update: this call is the commit point
+                await updates.refit_tensors(tensors, None)
+            else:
+                updates.stage(tensors)
+    except APIError as exc:
+        if exc.status != 409 or exc.code != "weight_update_in_progress":
+            updates.refused(exc)
+        raise
 
 
 def _add_checker(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None:
