@@ -46,9 +46,10 @@ def test_every_verb_of_the_lifecycle_has_one_row_and_one_message():
 
 
 def test_the_coordinator_client_offers_every_verb_with_the_tables_arguments():
-    for call in VERB_CALLS.values():
-        method = getattr(InferenceClient, call.method_name)
-        assert _keywords(method) == {arg.name for arg in call.on(PYTHON)}, call.verb
+    for call in VERB_CALLS.values():  # every verb is control(verb); a named method, where one is, takes the same
+        method = getattr(InferenceClient, call.method_name, None)
+        if method is not None:
+            assert _keywords(method) == {arg.name for arg in call.on(PYTHON)}, call.verb
 
 
 def test_the_python_apis_call_every_verb_through_control_and_name_no_other_argument():

@@ -16,6 +16,7 @@ says of both.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -203,6 +204,15 @@ def _scale_ep(engine: ServedEngine, body: ScaleEp) -> dict[str, Any]:
     return detail
 
 
+def _status_detail(engine: ServedEngine, _body: Control) -> dict[str, Any]:
+    """STATUS_DETAIL between two steps: what this engine holds at that moment (its load, which a heartbeat reports
+    up to a second late) and what the verbs made of it (its weights' epoch and source, suspend level, adapters)."""
+    serving = engine.serving
+    return {**dataclasses.asdict(engine.load()), "epoch": engine.epoch, "weights": serving.weights,
+            "suspend_level": serving.suspend_level, "loras": engine.adapters.names(),
+            "kept_kv_bytes": engine.memory.kept_kv_bytes}
+
+
 def _register(engine: ServedEngine, ack: HelloAck) -> dict[str, Any]:
     """At registration: the fleet's current weights (when ours differ) and LoRA adapters, then its suspension (or
     none). ``{"error": why}`` when the weights cannot be loaded: the engine cannot serve this fleet."""
@@ -283,5 +293,6 @@ ACTIONS: dict[Step | str, Callable[[ServedEngine, Any], dict[str, Any]]] = {
     Step.LORA_UNLOAD: _lora,
     Step.RESET_PREFIX_CACHE: _reset_prefix_cache,
     Step.SCALE_EP: _scale_ep,
+    Step.STATUS_DETAIL: _status_detail,
     REGISTER: _register,
 }

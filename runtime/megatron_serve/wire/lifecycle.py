@@ -48,6 +48,10 @@ be encoded twice, and the two copies disagreed):
   ranks from ``size`` on, each hands its requests back (resubmitted to the others) and leaves at the group's next
   turn, and the others regroup without them; above it, the coordinator records the size wanted, and the missing
   ranks' engines, started for the group, join it (``docs/parallelism.md``).
+* ``STATUS_DETAIL`` is legal in every state but STOPPED (no engine is left to ask) and keeps it: every engine says, between two of its steps, what it
+  holds at that moment (its requests and KV blocks, its weights' epoch and source, its suspend level, its adapters),
+  where STATUS reads the coordinator's copy of each engine's last heartbeat. The operator asks it before it acts
+  on an engine (a rollout, a scale-down), so that it decides on what the engine holds now.
 * PAUSE's :class:`PauseMode` (what happens to the requests the fleet holds) is an argument of the
   verb, not a state: every mode ends in the same PAUSED, with the same engine step, and the fleet
   behaves the same afterwards (it holds what is left and what arrives, until UNPAUSE). The modes
@@ -91,6 +95,7 @@ class Verb(str, enum.Enum):
     UNLOAD_LORA = "unload_lora"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     SCALE_EP = "scale_ep"
+    STATUS_DETAIL = "status_detail"
 
 
 class PauseMode(str, enum.Enum):
@@ -174,6 +179,7 @@ class Step(str, enum.Enum):
     LORA_UNLOAD = "LORA_UNLOAD"
     RESET_PREFIX_CACHE = "RESET_PREFIX_CACHE"
     SCALE_EP = "SCALE_EP"
+    STATUS_DETAIL = "STATUS_DETAIL"
 
 
 #: Verbs whose messages carry a ``phase`` saying which of their steps they are.
@@ -225,6 +231,8 @@ STEPS: dict[Step, StepSpec] = {
     Step.SCALE_EP: StepSpec(Verb.SCALE_EP, Deadline.VERB,
                             "an expert-parallel group of data-parallel attention ranks to N ranks: the ranks from N on "
                             "hand their requests back and leave at the next turn; the others regroup without them"),
+    Step.STATUS_DETAIL: StepSpec(Verb.STATUS_DETAIL, Deadline.VERB,
+                                 "say what it holds now: requests, KV blocks, weights, suspend level, adapters"),
 }
 
 
@@ -244,11 +252,13 @@ def _refit(state: FleetState) -> Transition:
     return Transition(state, (Step.REFIT_VERIFY, Step.REFIT_LOAD))
 
 
-def _lora(state: FleetState) -> dict[Verb, Transition | str]:
+def _keeping(state: FleetState) -> dict[Verb, Transition | str]:
+    """The verbs that keep the fleet's state, legal in ``state``."""
     return {Verb.LOAD_LORA: Transition(state, (Step.LORA_VERIFY, Step.LORA_LOAD)),
             Verb.UNLOAD_LORA: Transition(state, (Step.LORA_UNLOAD,)),
             Verb.RESET_PREFIX_CACHE: Transition(state, (Step.RESET_PREFIX_CACHE,)),
-            Verb.SCALE_EP: Transition(state, (Step.SCALE_EP,))}
+            Verb.SCALE_EP: Transition(state, (Step.SCALE_EP,)),
+            Verb.STATUS_DETAIL: Transition(state, (Step.STATUS_DETAIL,))}
 
 
 _STOP = Transition(_S.STOPPED, (Step.STOP,))
@@ -264,7 +274,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.RUNNING, (Step.RESUME,)),  # memory is resident: a no-op
         Verb.STOP: _STOP,
         Verb.REFIT: _REFIT_NEEDS_PAUSE,
-        **_lora(_S.RUNNING),
+        **_keeping(_S.RUNNING),
     },
     _S.PAUSED: {
         Verb.PAUSE: Transition(_S.PAUSED, (Step.PAUSE,)),
@@ -273,7 +283,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),  # memory is resident: a no-op
         Verb.STOP: _STOP,
         Verb.REFIT: _refit(_S.PAUSED),
-        **_lora(_S.PAUSED),
+        **_keeping(_S.PAUSED),
     },
     _S.SUSPENDED: {
         Verb.PAUSE: Transition(_S.SUSPENDED, ()),  # not stepping already; memory stays released
@@ -282,7 +292,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),
         Verb.STOP: _STOP,
         Verb.REFIT: _refit(_S.SUSPENDED),
-        **_lora(_S.SUSPENDED),
+        **_keeping(_S.SUSPENDED),
     },
     _S.STOPPED: {
         Verb.PAUSE: _NOT_WHILE_STOPPED,
@@ -295,6 +305,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.UNLOAD_LORA: _NOT_WHILE_STOPPED,
         Verb.RESET_PREFIX_CACHE: _NOT_WHILE_STOPPED,
         Verb.SCALE_EP: _NOT_WHILE_STOPPED,
+        Verb.STATUS_DETAIL: _NOT_WHILE_STOPPED,
     },
 }
 

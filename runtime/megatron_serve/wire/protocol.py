@@ -60,6 +60,7 @@ class Header(enum.IntEnum):
     STATUS = 30
     STATUS_REPLY = 31
     SCALE_EP = 32  # an expert-parallel group of data-parallel attention ranks to N ranks (a lifecycle verb)
+    STATUS_DETAIL = 33  # every engine's facts, asked of it between two steps (a lifecycle verb that changes nothing)
     HEARTBEAT = 40
     DRAINING = 41
     # engine link (coordinator <-> engine processes only)

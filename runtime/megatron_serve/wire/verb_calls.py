@@ -199,6 +199,8 @@ VERB_CALLS: dict[Verb, VerbCall] = {call.verb: call for call in (
         Arg("size", int, "the data-parallel ranks the group is to have (at most its --data-parallel-size)",
             minimum=1, metavar="N"),
     )),
+    VerbCall(Verb.STATUS_DETAIL, "STATUS_DETAIL: every engine says what it holds now (requests, KV blocks, weights, "
+             "suspend level, adapters), where STATUS shows their last heartbeats; the fleet's state stays"),
 )}
 
 

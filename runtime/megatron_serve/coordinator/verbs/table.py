@@ -25,4 +25,5 @@ HANDLERS: dict[Verb, Callable[[Any], VerbHandler]] = {
     Verb.UNLOAD_LORA: UnloadLoraVerb,
     Verb.RESET_PREFIX_CACHE: ResetPrefixCacheVerb,
     Verb.SCALE_EP: ScaleEpVerb,
+    Verb.STATUS_DETAIL: VerbHandler,
 }
