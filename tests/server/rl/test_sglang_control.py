@@ -125,6 +125,27 @@ async def test_health_generate_generates_a_token_and_fails_while_the_fleet_does_
         assert answer.status_code == 503
 
 
+async def test_health_generate_costs_one_generation_however_many_probes_ask(tokenizer, monkeypatch):
+    """Issue 86: each unauthenticated /health_generate ran a generation of its own (1,226 in 40 s from 200
+    connections). Probes that come while one runs share it, and its token answers them again for a second."""
+    from megatron_serve.server.rl import health_generation
+
+    async with controlled(tokenizer, tick=0.05) as s:
+        started: list[list[int]] = []
+        real = s.fleet._start
+        monkeypatch.setattr(s.fleet, "_start", lambda prompt, *rest: (started.append(prompt), real(prompt, *rest))[1])
+        answers = await asyncio.gather(*(s.http.get("/health_generate") for _ in range(200)))
+        assert [a.status_code for a in answers] == [200] * 200
+        assert started == [[0]]  # one generation for the 200 probes
+        for _ in range(20):
+            assert (await s.http.get("/health_generate")).status_code == 200
+        assert len(started) <= 2  # a second at most if the 20 took past FRESH_FOR (1 s)
+        before = len(started)
+        await asyncio.sleep(health_generation.FRESH_FOR + 0.1)  # the last token's answer expires
+        assert (await s.http.get("/health_generate")).status_code == 200
+        assert len(started) == before + 1  # past the second: a new generation
+
+
 async def test_server_info_has_sglangs_fields_on_both_paths(tokenizer):
     async with controlled(tokenizer, tensor_parallel_size=2, engines=3) as s:
         for path in ("/server_info", "/get_server_info"):  # slime's get_server_info tries them in this order

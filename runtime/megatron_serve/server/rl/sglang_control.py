@@ -2,8 +2,9 @@
 onto the lifecycle verbs.
 
 * ``GET /health_generate``: one token generated through the fleet (SGLang's ``input_ids [0]``, greedy), 200 with
-  an empty body once it came back, 503 when it did not within :data:`HEALTH_TIMEOUT` (SGLang's 20 s) or the fleet
-  does not step now (a paused fleet would hold it that long, then fail it: the answer comes at once instead).
+  an empty body once it came back, 503 when it did not within SGLang's 20 s or the fleet does not step now (a paused
+  fleet would hold it that long, then fail it: the answer comes at once instead); at a bounded cost, whatever the
+  probes (:mod:`.health_generation`).
 * ``POST /pause_generation {mode}``: PAUSE. SGLang's ``abort`` (its default) is ``abort``; ``in_place`` (requests
   stay, with their KV) and ``retract`` (they go back to the queue, their KV may go) are both ``keep``: here the
   requests stay in place and continue where they were. ``POST /continue_generation``: UNPAUSE. Both answer
@@ -23,8 +24,6 @@ onto the lifecycle verbs.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -32,9 +31,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ...wire.lifecycle import PauseMode, Verb
-from ...wire.sampling_params import SamplingParams
 from ..intake import request_body_doc
 from .control import Control, Query
+from .health_generation import HealthGeneration
 from .responses import ACTING_RESPONSES
 from .tokens import read_anchor
 
@@ -44,9 +43,6 @@ _FLUSH_REFUSED = "Flush cache failed.\n"
 
 SGLANG_CONTROL_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
                                   "/release_memory_occupation", "/resume_memory_occupation"})
-
-#: How long ``/health_generate`` waits for its token (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default).
-HEALTH_TIMEOUT = 20.0
 
 #: SGLang's pause modes -> this fleet's.
 PAUSE_MODES: dict[str, PauseMode] = {"abort": PauseMode.ABORT, "in_place": PauseMode.KEEP, "retract": PauseMode.KEEP}
@@ -88,34 +84,19 @@ def _read(model: type[_Body], raw: bytes, anchor: str) -> Any:
     return read_anchor(model, raw, anchor) if raw.strip() else model()
 
 
-async def health_generate(control: Control) -> Response:
-    """One greedy token through the fleet (see the module docstring)."""
-    if await control.not_stepping("/health_generate"):
-        return Response(status_code=503)
-    request_id = f"health-{uuid.uuid4().hex}"
-    backend = control.ctx.backend
-    future = backend.add_request([0], SamplingParams(num_tokens_to_generate=1, temperature=0.0),
-                                     request_id=request_id)
-    try:
-        result = await asyncio.wait_for(asyncio.shield(future), HEALTH_TIMEOUT)
-    except Exception:  # noqa: BLE001 - any failure to generate (the deadline included) is the unhealthy answer
-        backend.abort(request_id)
-        return Response(status_code=503)
-    return Response(status_code=200 if result.generated_tokens else 503)
-
-
 def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) -> None:
     """SGLang's control routes on ``app``: ``/health_generate`` is a probe (no key), the others need the admin key
     (``admin``: its dependencies)."""
     acting = ACTING_RESPONSES
     tags = ["RL frameworks"]
+    health = HealthGeneration(control.ctx.backend, control.ctx.monitor)
 
     @app.get("/health_generate", tags=tags, summary="SGLang: health by one generated token", response_class=Response,
              responses={200: {"description": "a token came back (an empty body)"},
                         503: {"description": "no token within 20 s, or the fleet does not step now (an empty body)"}})
     async def health_generate_route(request: Request) -> Response:
         Query(request).done()
-        return await health_generate(control)
+        return Response(status_code=await health.answer())
 
     @app.post("/pause_generation", tags=tags, dependencies=admin, responses=acting,
               summary="SGLang: pause generation", openapi_extra=request_body_doc(SglangPauseGeneration, required=False),
