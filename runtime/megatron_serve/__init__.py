@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncEngineArgs": ".client.vllm_engine",
+    "AsyncLLM": ".client.vllm_engine",
+    "AsyncLLMEngine": ".client.vllm_engine",
     "CompletionOutput": ".client.vllm_outputs",
+    "EngineArgs": ".client.vllm_engine",
     "DynamicInferenceRequest": ".wire.request",
     "EventType": ".wire.request",
     "FinishReason": ".wire.request",
@@ -28,6 +32,7 @@ _EXPORTS = {
     "MegatronAsyncLLM": ".client.async_llm",
     "MegatronLLM": ".client.llm",
     "RequestOutput": ".client.vllm_outputs",
+    "RequestOutputKind": ".wire.sampling_params",
     "RequestStatus": ".wire.request",
     "SamplingParams": ".wire.sampling_params",
     "Shard": ".weights.shards",
@@ -46,10 +51,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client.llm import LLM, MegatronLLM
     from .client.lora_request import LoRARequest
     from .client.prompts import TextPrompt, TokensPrompt
+    from .client.vllm_engine import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
     from .client.vllm_outputs import CompletionOutput, Logprob, RequestOutput
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
     from .client.weight_sender import WeightSender, WeightTransferError
-    from .wire.sampling_params import SamplingParams
+    from .wire.sampling_params import RequestOutputKind, SamplingParams
     from .weights.shards import Shard
 
 

@@ -6,8 +6,10 @@ One method serves both callers, so that there are not two generate APIs side by 
   :class:`~megatron_serve.wire.request.DynamicInferenceRequest` (a list for a batch), as before;
 * ``async for out in llm.generate(prompt, params, request_id)``: vLLM's ``AsyncLLM.generate``, one
   prompt, a :class:`~megatron_serve.client.vllm_outputs.RequestOutput` each time a choice gains
-  tokens (cumulative, as vLLM's default ``RequestOutputKind.CUMULATIVE``), the last one
-  ``finished``. Leaving the loop early aborts every choice.
+  tokens, the last one ``finished``, as ``params.output_kind`` says (vLLM's ``RequestOutputKind``):
+  the whole output so far (``CUMULATIVE``, the default), only what is new (``DELTA``: the pieces
+  add up to the final output), or only the finished output (``FINAL_ONLY``). Leaving the loop early
+  aborts every choice.
 
 Nothing runs until the object is awaited or iterated (as a coroutine that is never awaited). It is an
 awaitable, not a coroutine: ``asyncio.gather`` and ``asyncio.ensure_future`` take it, ``create_task`` does not
@@ -27,7 +29,7 @@ from .outputs import StreamItem, StreamPartial
 from .prompts import Prompt, tokenize_prompt
 from .vllm_outputs import CompletionOutput, LogprobsDict, RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
-from ..wire.sampling_params import SamplingParams
+from ..wire.sampling_params import RequestOutputKind, SamplingParams
 
 Result = DynamicInferenceRequest | list[DynamicInferenceRequest]
 
@@ -66,6 +68,7 @@ class GrowingChoice:
         self.logprobs: list[LogprobsDict] = []
         self.cumulative = 0.0
         self.final: CompletionOutput | None = None
+        self.sent = (0, 0)  # the tokens and characters of text a delta handed out already (RequestOutputKind.DELTA)
 
     def extend(self, piece: StreamPartial) -> None:
         self.token_ids.extend(piece.new_tokens)
@@ -85,11 +88,20 @@ class GrowingChoice:
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative if self.asked else None,
                                 list(self.logprobs) if self.asked else None)
 
+    def delta(self) -> CompletionOutput:
+        """What is new since the last delta (the final one closes with the record's ``finish_reason``)."""
+        whole = self.snapshot()
+        tokens, chars = self.sent
+        self.sent = (len(whole.token_ids), len(whole.text))
+        return dataclasses.replace(whole, text=whole.text[chars:], token_ids=whole.token_ids[tokens:],
+                                   logprobs=None if whole.logprobs is None else whole.logprobs[tokens:])
+
 
 async def stream_request_outputs(client: EngineClient, tokenizer: Tokenizer, prompt: Prompt, choices: list[SamplingParams],
                                  request_id: str) -> AsyncIterator[RequestOutput]:
-    """Cumulative ``RequestOutput``s of one prompt's choices, merged as their pieces arrive."""
+    """``RequestOutput``s of one prompt's choices, merged as their pieces arrive, of the choices' ``output_kind``."""
     ids = child_ids(request_id, len(choices))
+    kind = choices[0].output_kind  # the choices of one prompt share their params but for their index
     shaper = Shaper(tokenizer)
     growing = [GrowingChoice(index, params, shaper) for index, params in enumerate(choices)]
     # What the prompt fields say until a final record says it (partials carry no prompt tokens).
@@ -118,8 +130,11 @@ async def stream_request_outputs(client: EngineClient, tokenizer: Tokenizer, pro
                 if done == 0:
                     head = shaper.request_output([item], request_id=request_id)
                 done += 1
-            yield dataclasses.replace(head, outputs=[choice.snapshot() for choice in growing],
-                                      finished=done == len(choices))
+            finished = done == len(choices)
+            if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs = [choice.delta() if kind == RequestOutputKind.DELTA else choice.snapshot() for choice in growing]
+            yield dataclasses.replace(head, outputs=outputs, finished=finished)
     finally:
         for task in tasks:
             task.cancel()  # a stream left early aborts its request

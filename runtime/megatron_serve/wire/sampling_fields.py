@@ -175,6 +175,9 @@ FIELDS: tuple[SamplingField, ...] = (
                   http_doc="end the text after the stop string that ended it instead of before; default false"
                            + _VLLM, extension=True, vllm="include_stop_str_in_output", sglang="no_stop_trim"),
     SamplingField("tenant", object, None),  # whose request: set by the server from its API key (wire/tenancy.py)
+    # What an iterated generate yields (vLLM's RequestOutputKind: 0 cumulative, 1 deltas, 2 the final output only):
+    # the Python API's side only, as in vLLM, where the HTTP server picks it by ``stream``.
+    SamplingField("output_kind", int, 0, Bounds(0, 2), vllm="output_kind"),
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

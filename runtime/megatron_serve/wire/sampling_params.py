@@ -16,6 +16,7 @@ different values is a ``ValueError`` naming both. The wire knows only our names.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
@@ -193,6 +194,16 @@ def _ours(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     return ours
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``RequestOutputKind`` (``SamplingParams.output_kind``): what each ``RequestOutput`` of an iterated
+    ``generate`` holds. An ``IntEnum`` (vLLM's is an ``Enum`` of the same values), so that the wire carries the
+    number and comparisons read as in vLLM."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # only what is new since the last one
+    FINAL_ONLY = 2  # nothing before the finished output
+
+
 #: vLLM's keyword names that ``SamplingParams(...)`` takes -> what each sets here.
 VLLM_NAMES: dict[str, str] = {
     "max_tokens": "num_tokens_to_generate",
@@ -255,6 +266,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # Whose request it is, its class and its tenant's weight (wire.tenancy): set by the HTTP server for a configured
     # tenant; the coordinator's queue and the engines' scheduler share by it. None: the anonymous tenant, standard.
     tenant: TenantTag | None = None
+    # vLLM's RequestOutputKind: what an iterated generate yields (the Python API's; engines never read it).
+    output_kind: int = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.validate()
@@ -265,6 +278,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         and the checks that relate fields."""
         for row in _CHECKED:
             _check_field(row, getattr(self, row.name))
+        self.output_kind = RequestOutputKind(self.output_kind)  # read back as vLLM's enum
         if isinstance(self.stop_words, str) or not isinstance(self.stop_words, (list, tuple)):
             raise SamplingParamError("stop_words", f"must be a list of strings, got {self.stop_words!r}")
         for word in self.stop_words:
