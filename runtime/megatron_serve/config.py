@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
-# how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.expert_backend):
+# how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.experts.backend):
 # auto = DeepEP where it runs, else alltoall (a plain all-to-all, fixed-capacity in CUDA graphs)
 ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency")
 
@@ -153,7 +153,7 @@ _EPLB_FIELDS = ("window_size", "step_interval", "num_redundant_experts", "log_ba
 
 @dataclass
 class EplbConfig:
-    """vLLM's ``--eplb-config`` (with ``--enable-eplb``): expert-parallel load balancing (engine.expert_balancer).
+    """vLLM's ``--eplb-config`` (with ``--enable-eplb``): expert-parallel load balancing (engine.experts.balancer).
 
     Each MoE layer's tokens per expert are counted over the last ``window_size`` steps; every ``step_interval``
     steps the experts are placed again, ``num_redundant_experts`` copies of the busiest ones included (each

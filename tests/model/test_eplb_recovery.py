@@ -103,7 +103,7 @@ def test_a_joiner_computes_the_placement_the_members_use_from_the_membership_alo
 
 def test_a_move_swapped_in_on_some_survivors_only_recovers_from_what_each_holds():
     """A loss in an EPLB move's last collective: ranks 0 and 1 swapped the new placement in, rank 3 kept the old one
-    (``engine.expert_recovery`` gathers what each holds; the lost rank's slots are -1). Every expert is placed and
+    (``engine.experts.recovery`` gathers what each holds; the lost rank's slots are -1). Every expert is placed and
     each survivor's moves and reads fill its slots."""
     before = identity_plan(16, 20, 4)
     after = plan_layer([9.0, 9.0, *[1.0] * 14], 20, 4)

@@ -18,7 +18,7 @@ from megatron_serve.client import vllm_options
 from megatron_serve.client.vllm_args import parse_llm_keywords
 from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
 from megatron_serve.config import ALL2ALL_BACKENDS
-from megatron_serve.engine.expert_backend import install_expert_backend, rank_tokens, resolve_backend
+from megatron_serve.engine.experts.backend import install_expert_backend, rank_tokens, resolve_backend
 from megatron_serve.engine.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.sizing import engine_buffers
 from megatron_serve.fleet.argv import inference_config_to_argv
@@ -106,7 +106,7 @@ def test_each_rank_installs_the_backend_and_rank_zero_says_which(tmp_path, caplo
     assert install_expert_backend(one, InferenceConfig(device="cpu")) is None and one.expert_step is None
     for rank in (0, 1):
         model = build_model(config, torch.float32, "cpu", TensorParallel(rank, 2, expert_parallel=True))
-        with caplog.at_level("INFO", logger="megatron_serve.engine.expert_backend"):
+        with caplog.at_level("INFO", logger="megatron_serve.engine.experts.backend"):
             step = install_expert_backend(model, InferenceConfig(device="cpu"))
         blocks = [m.mlp for m in model.model.layers if m.sparse]
         assert step is model.expert_step and all(isinstance(b.dispatcher, StepDispatcher) for b in blocks)
@@ -156,7 +156,7 @@ import os
 import sys
 import torch
 import torch.distributed as dist
-from megatron_serve.engine.expert_backend import agree_on_backend
+from megatron_serve.engine.experts.backend import agree_on_backend
 from tests.parallel.forked_ranks import fork_ranks, report
 
 def agree(group, port, rank, backend):

@@ -32,7 +32,7 @@ SKIPPED = 3  # a probe's exit code where deep_ep does not import
 PROBE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from megatron_serve.config import InferenceConfig
-    from megatron_serve.engine.expert_backend import install_expert_backend
+    from megatron_serve.engine.experts.backend import install_expert_backend
     from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.experts.moe import SparseMoeBlock

@@ -47,7 +47,7 @@ from ..wire.kv_blocks import KVBlocks, wants_remote_decode, wants_remote_prefill
 from ..wire.lifecycle import Step
 from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
-from .expert_backend import install_expert_backend
+from .experts.backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
 from .kv.cache import BlockAllocator
 from .kv.events import KVEventLog, ZmqPublisher

@@ -59,7 +59,7 @@ KV_DISK_OPERATIONS = ("read", "write")
 #: prefill/decode disaggregation's blocks on the wire: {"sent": {"transfers": n, "bytes": b}, "received": {...}}
 KV_TRANSFER = "kv_transfer"
 KV_TRANSFER_DIRECTIONS = ("sent", "received")
-#: EPLB's balancing on the wire (``--enable-eplb``; engine.expert_balancer.BalancerStats.to_wire): {"layers": [decoder
+#: EPLB's balancing on the wire (``--enable-eplb``; engine.experts.balancer.BalancerStats.to_wire): {"layers": [decoder
 #: layer of each MoE layer], "measured": [balancedness per layer, over the last window planned from; absent before
 #: the first plan], "planned": [...], "rearrangements": n, "layers_moved": n, "seconds": s}
 EPLB = "eplb"

@@ -18,7 +18,7 @@ from ...model.lora.slots import LoraSlots
 from ...weights.drafter import policy_only
 from ...weights.peer_pull import follow_share
 from ...weights.sources import WeightSource
-from ..expert_backend import install_expert_backend
+from ..experts.backend import install_expert_backend
 from ..graphs import graphs_for, largest_graph
 from ..kv.cache import KVCachePool
 from ..kv.park import ParkedKV, ParkOrder

@@ -7,7 +7,7 @@ coordinator resubmits them to the others, as it does for any lost engine) and it
 with it fails; each calls :meth:`GroupSurvival.rejoin` with where it stopped, which forms the survivors' new group and
 agrees with them on one step boundary (:func:`.regroup.regroup`), points the model's groups at the new group (one
 :class:`~megatron_serve.model.parallel.TensorParallel`, shared by every layer) and places the experts over the ranks
-left (:func:`~megatron_serve.engine.expert_recovery.recover_experts`: moved among the survivors, the lost rank's own
+left (:func:`~megatron_serve.engine.experts.recovery.recover_experts`: moved among the survivors, the lost rank's own
 read back from the checkpoint). The runner then resumes as :class:`.regroup.Resume` says. The same object takes part
 in a planned change (:mod:`.membership`): a rank that joins (:meth:`GroupSurvival.join`), ranks that leave
 (:meth:`GroupSurvival.change`, asked for by :meth:`GroupSurvival.scale`).
@@ -15,7 +15,7 @@ in a planned change (:mod:`.membership`): a rank that joins (:meth:`GroupSurviva
 Under EPLB (``--enable-eplb``) the balancer's move under way is dropped with the broken groups (its transfer runs on
 a group of its own), the placement over the ranks left starts from what each survivor holds (a move may have been
 swapped in on some before the loss), and the balancer starts again over the new group: its own transfer group, a
-window and a step count from zero on every member alike (:meth:`~megatron_serve.engine.expert_balancer.ExpertBalancer.
+window and a step count from zero on every member alike (:meth:`~megatron_serve.engine.experts.balancer.ExpertBalancer.
 regroup`).
 
 Served where each data-parallel rank is one process on CPU (gloo, ``--tensor-parallel 1``), the group has two ranks
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ...config import InferenceConfig
 from ...errors import EngineGroupLost, LeftGroup
 from ...model.experts.moe import SparseMoeBlock
-from ..expert_recovery import place_for_members, recover_experts
+from ..experts.recovery import place_for_members, recover_experts
 from .channel import PlanChannel
 from .membership import (ChangeWatch, Membership, announce, ask_to_join, await_admission, meet, plan_change,
                          read_change, want_size)

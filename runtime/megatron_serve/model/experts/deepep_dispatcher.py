@@ -19,7 +19,7 @@ rows do not say which of this rank's adapter rows they are).
 
 The layout conversions before and after the kernels (:func:`low_latency_rows`, :func:`normal_pairs`,
 :func:`normal_sum`) are plain tensor code; ``deep_ep`` is imported only where a backend asks for it
-(:mod:`megatron_serve.engine.expert_backend`).
+(:mod:`megatron_serve.engine.experts.backend`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which dispatcher an MoE layer uses in a step, under expert parallelism: the exact all-to-all (counts read on the
 host), the fixed-capacity one (capturable), or DeepEP's kernels; and the per-step state the ranks agree on.
 
-The engine picks a backend at start (``--all2all-backend``, :mod:`megatron_serve.engine.expert_backend`) and
+The engine picks a backend at start (``--all2all-backend``, :mod:`megatron_serve.engine.experts.backend`) and
 :func:`install_dispatchers` gives every MoE layer a :class:`StepDispatcher` for it. Before each forward the runner
 (or a graph's capture) sets the model's :class:`ExpertStep`; each layer's dispatch then picks:
 

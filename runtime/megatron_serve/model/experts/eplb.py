@@ -30,7 +30,7 @@ import torch
 
 
 class StepBalancer(Protocol):
-    """What the runner calls on a model's balancer (:class:`megatron_serve.engine.expert_balancer.ExpertBalancer`)."""
+    """What the runner calls on a model's balancer (:class:`megatron_serve.engine.experts.balancer.ExpertBalancer`)."""
 
     def step(self) -> None:
         """The boundary before a forward, on every rank of the group."""
@@ -167,7 +167,7 @@ def identity_plan(num_experts: int, num_physical: int, ranks: int) -> list[int]:
 class LayerPlacement:
     """One MoE layer's logical-to-physical map as device data (CUDA graphs read it in place; :meth:`update` writes
     it between steps), and the layer's tokens per physical expert (:attr:`load`, which the balancer reads and zeroes
-    each step: :mod:`megatron_serve.engine.expert_balancer`).
+    each step: :mod:`megatron_serve.engine.experts.balancer`).
 
     ``replicas[e, i]``: the ``i``-th physical copy of logical expert ``e`` (``i < counts[e]``); at most
     ``1 + num_physical - num_experts`` copies."""

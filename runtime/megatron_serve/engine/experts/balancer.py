@@ -11,7 +11,7 @@ rank alike; each layer whose plan is better than its placement then moves, one l
 at one step boundary, on a group of its own, and the next boundary waits for it (the step in between ran meanwhile),
 writes the new stack into the layer's parameters in place and points the map at it. A refit in between (the layer's
 weights changed) drops the move, on every rank alike. A rank's loss, or a planned change of the group's ranks
-(:mod:`.group.survival`), drops any plan and move under way with the old group (:meth:`ExpertBalancer.release`), and
+(:mod:`..group.survival`), drops any plan and move under way with the old group (:meth:`ExpertBalancer.release`), and
 the balancer starts again over the new one from the placement made there (:meth:`ExpertBalancer.regroup`).
 
 Balancedness (mean over max of the tokens per rank, 1.0 even) is kept per layer as measured over the window planned
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..model.experts.eplb import balancedness, identity_plan, plan_layer, rank_loads
-from ..model.experts.moves import ExpertTransfer, install_placement, install_rows, plan_moves
-from ..model.experts.moe import SparseMoeBlock
-from ..model.experts.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
-from ..wire.engine_stats import EPLB
+from ...model.experts.eplb import balancedness, identity_plan, plan_layer, rank_loads
+from ...model.experts.moves import ExpertTransfer, install_placement, install_rows, plan_moves
+from ...model.experts.moe import SparseMoeBlock
+from ...model.experts.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
+from ...wire.engine_stats import EPLB
 
 if TYPE_CHECKING:
-    from ..config import EplbConfig
+    from ...config import EplbConfig
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ExpertBalancer:
         self.steps = 0
 
     def release(self) -> None:
-        """Forget the group, which broke or is being replaced (:mod:`.group.survival`), and any plan or move under way
+        """Forget the group, which broke or is being replaced (:mod:`..group.survival`), and any plan or move under way
         on it: a move's transfer holds its group, and a group kept keeps its sockets open (a survivor blocked on this
         rank would wait out the collective timeout). Each rank holds either placement of a move that some installed
         before the loss and others not: the recovery reads what each holds."""
@@ -224,7 +224,7 @@ def place_experts(blocks: list[SparseMoeBlock], num_redundant: int, transfer_gro
     experts over the group (:func:`~megatron_serve.model.experts.eplb.identity_plan`: each rank its own experts, then copies
     fetched from the others), its dispatcher over the physical experts, and its map. A rank that joins a running group
 (``transfer_group`` None: it has no group yet) keeps its experts by index under that map, which it never routes by:
-its join places it (:func:`~megatron_serve.engine.expert_recovery.place_for_members`)."""
+its join places it (:func:`~megatron_serve.engine.experts.recovery.place_for_members`)."""
     tp = blocks[0].tp
     ranks, rank = tp.expert_size, tp.expert_rank
     for block in blocks:

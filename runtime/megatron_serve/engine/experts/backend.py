@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 import torch.distributed
 
-from ..config import InferenceConfig
-from ..model.experts.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
-from ..model.experts.dispatch import ExpertStep, install_dispatchers
-from ..model.experts.moe import SparseMoeBlock
-from .expert_balancer import ExpertBalancer, place_experts
-from .graphs import capture_sizes
+from ...config import InferenceConfig
+from ...model.experts.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
+from ...model.experts.dispatch import ExpertStep, install_dispatchers
+from ...model.experts.moe import SparseMoeBlock
+from ..graphs import capture_sizes
+from .balancer import ExpertBalancer, place_experts
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 its placement over the ranks left (:mod:`megatron_serve.model.experts.eplb_recovery`), its experts moved among the
 survivors over the new group and the ones only the lost ranks held read from the checkpoint, then its map and its
 dispatcher are those of the new placement. Every survivor calls it once, with the same arguments but its own rank,
-after :func:`.group.regroup.regroup` formed the new group. A planned change (a rank joins, ranks leave:
-:mod:`.group.membership`) places them over the new members instead (:func:`place_for_members`).
+after :func:`..group.regroup.regroup` formed the new group. A planned change (a rank joins, ranks leave:
+:mod:`..group.membership`) places them over the new members instead (:func:`place_for_members`).
 
 The experts read back come from the model directory, so only while the weights are still the checkpoint's: after a
 refit (a trainer's weights), a placement that would read any expert back fails on every member together, naming why,
@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..model.experts.dispatch import install_dispatchers
-from ..model.experts.eplb_recovery import Recovery, members_plan, recovery, relocation
-from ..model.experts.moe import SparseMoeBlock, expert_weight_name
-from ..model.experts.moves import ExpertTransfer, install_placement
-from ..model.experts.token_dispatcher import DataParallelDispatcher
-from ..model.loader import checkpoint_views, load_weights
+from ...model.experts.dispatch import install_dispatchers
+from ...model.experts.eplb_recovery import Recovery, members_plan, recovery, relocation
+from ...model.experts.moe import SparseMoeBlock, expert_weight_name
+from ...model.experts.moves import ExpertTransfer, install_placement
+from ...model.experts.token_dispatcher import DataParallelDispatcher
+from ...model.loader import checkpoint_views, load_weights
 
 logger = logging.getLogger(__name__)
 
