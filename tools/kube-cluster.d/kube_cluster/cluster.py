@@ -136,6 +136,8 @@ def _kwok(cache: Path, folder: Path, ports: dict[str, int], kubeconfig: Path) ->
         f"--kubeconfig={kubeconfig}", f"--config={config}",
         "--manage-all-nodes=false",
         f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
+        # Every fake node's address is this machine's loopback, with kwok's server as its kubelet port.
+        "--node-ip=127.0.0.1", f"--node-port={ports['kwok']}",
         f"--server-address=127.0.0.1:{ports['kwok']}",
         "--node-lease-duration-seconds=40",
         "--cidr=10.244.0.0/16",
@@ -179,6 +181,19 @@ def up(folder: Path, with_lws: bool = True) -> None:
     if live:
         raise SystemExit(f"kube-cluster: {', '.join(live)} already running in {folder}; "
                          f"run `tools/kube-cluster down {folder}` first")
+    try:
+        _start(cache, folder, with_lws)
+    except BaseException:
+        down(folder)  # a failed `up` leaves nothing running; the logs stay for the reader
+        raise
+    up_seconds = time.monotonic() - started - build_seconds
+    print(f"kube-cluster: up in {up_seconds:.1f} s"
+          + (f" (after {build_seconds:.0f} s of cold builds: "
+             + ", ".join(f"{k} {v:.0f} s" for k, v in built.items() if v) + ")" if build_seconds else "")
+          + f"; source {folder / 'env'}", file=sys.stderr)
+
+
+def _start(cache: Path, folder: Path, with_lws: bool) -> None:
     pki.make(folder / "pki")
     ports = _ports(folder)
     server = f"https://127.0.0.1:{ports['apiserver']}"
@@ -204,18 +219,14 @@ def up(folder: Path, with_lws: bool = True) -> None:
         lws.start(cache, folder, ports, kubeconfigs["lws"], api,
                   lambda *args, stdin=None: _kubectl(cache, folder, *args, stdin=stdin))
     _write_env(cache, folder)
-    up_seconds = time.monotonic() - started - build_seconds
-    print(f"kube-cluster: up in {up_seconds:.1f} s"
-          + (f" (after {build_seconds:.0f} s of cold builds: "
-             + ", ".join(f"{k} {v:.0f} s" for k, v in built.items() if v) + ")" if build_seconds else "")
-          + f"; {server}; source {folder / 'env'}", file=sys.stderr)
 
 
 def down(folder: Path) -> None:
     """Stop every process `up` started in DIR (pid files), dependents first; keep every file."""
     folder = folder.resolve()
     if not folder.is_dir():
-        raise SystemExit(f"kube-cluster: {folder} is not a cluster folder")
+        print(f"kube-cluster: nothing to stop ({folder} does not exist)", file=sys.stderr)
+        return
     names = processes.started_names(folder)
     ordered = [n for n in names if n not in ORDER] + [n for n in reversed(ORDER) if n in names]
     stopped = [n for n in ordered if processes.stop(folder, n)]

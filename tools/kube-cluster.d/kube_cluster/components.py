@@ -9,6 +9,7 @@ beside the binaries in the same root, so a cold CI build downloads each module o
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -155,9 +156,21 @@ def _go() -> str:
 
 
 def build(component: Component, cache: Path) -> float:
-    """Build one component into its cache folder; return the seconds it took (0 when cached)."""
+    """Build one component into its cache folder; return the seconds it took (0 when cached).
+
+    A lock per component lets clusters start side by side on a cold cache: the second waits for
+    the first one's build instead of racing it."""
     if component.built(cache):
         return 0.0
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / f"{component.name}-{component.version}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if component.built(cache):
+            return 0.0
+        return _build(component, cache)
+
+
+def _build(component: Component, cache: Path) -> float:
     folder = component.folder(cache)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

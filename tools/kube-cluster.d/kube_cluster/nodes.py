@@ -61,9 +61,7 @@ def manifest(node: FakeNode) -> dict:
             "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
         },
         "spec": {},
-        "status": {"capacity": capacity, "allocatable": dict(capacity),
-                   "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
-                                "kubeletVersion": "fake", "kubeProxyVersion": "fake"}},
+        "status": {"capacity": capacity, "allocatable": dict(capacity)},
     }
 
 
