@@ -24,7 +24,7 @@ VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serv
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
 CONTAINER_TOOL ?= $(shell docker info >/dev/null 2>&1 && echo docker || command -v podman 2>/dev/null)
 
-.PHONY: setup verl-env run test test-fast docs image clean
+.PHONY: setup verl-env run test test-fast docs image clean kube-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -86,12 +86,23 @@ run: $(RUNTIME)
 # Under CI (CI=true) -vv names each test as it ends.
 TEST_WORKERS ?= 3
 TEST_ARGS ?= $(if $(CI),-vv)
-test: $(TESTING) $(VERL_INSTALLED)
+# The operator's suites run on a real control plane (tools/kube-cluster: etcd, kube-apiserver, controller-manager,
+# scheduler, kwok's GPU nodes, LWS), brought up in the suite's temporary directory before pytest and taken down after
+# it, however it ends; MEGATRON_KUBECONFIG=<a kind or cloud cluster's kubeconfig> uses that cluster instead.
+# kube-tools builds the binaries from Go modules into ~/.cache/megatron-serve/kube once per version (docs/testing.md).
+KUBE_CLUSTER ?= tools/kube-cluster
+KUBE_UP = $(if $(MEGATRON_KUBECONFIG),:,$(KUBE_CLUSTER) up "$$tmp/kube")
+KUBE_ENV = $(if $(MEGATRON_KUBECONFIG),,KUBECONFIG="$$tmp/kube/kubeconfig" MEGATRON_KUBE_CLUSTER_DIR="$$tmp/kube")
+kube-tools:
+	$(KUBE_CLUSTER) build
+
+test: $(TESTING) $(VERL_INSTALLED) kube-tools
 	$(PY) -m compileall -q runtime operator kernels tests > /dev/null
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
-	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
+	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \
+	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" $(KUBE_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
 		--durations=10 $(TEST_ARGS); \
-	status=$$?; rm -rf "$$tmp"; exit $$status
+	status=$$?; $(if $(MEGATRON_KUBECONFIG),,$(KUBE_CLUSTER) down "$$tmp/kube";) rm -rf "$$tmp"; exit $$status
 
 test-fast: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"

@@ -23,24 +23,35 @@ INSTALLED = (".venv/.installed-runtime", ".venv/.installed-test", ".venv-verl/.i
 STAND_IN = """#!/bin/sh
 case "$*" in *compileall*) exit 0 ;; esac
 echo "$TMPDIR" > "{record}"
+echo "pytest $KUBECONFIG $MEGATRON_KUBE_CLUSTER_DIR" >> "{calls}"
 mkdir -p "$TMPDIR/pytest-of-me/pytest-0/test_a0" "$TMPDIR/pymp-abc/listener-x"
 case "{mode}" in
   fail) exit 3 ;;
   wait) trap 'exit 2' INT; touch "{record}.waiting"; while :; do sleep 0.05; done ;;
 esac
 """
+# tools/kube-cluster's stand-in: records each call (the real one starts a control plane; tests/operator/
+# test_kube_cluster.py checks that one).
+KUBE_STAND_IN = """#!/bin/sh
+echo "$*" >> "{calls}"
+"""
 
 
 def make_test(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
     """``make test`` with the stand-in interpreter (``mode``: ``fail`` or ``wait``); the file it records TMPDIR in."""
     record = tmp_path / "tmpdir"
+    calls = tmp_path / "kube-calls"
     stand_in = tmp_path / "python"
-    stand_in.write_text(STAND_IN.format(record=record, mode=mode))
-    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
+    stand_in.write_text(STAND_IN.format(record=record, mode=mode, calls=calls))
+    kube_stand_in = tmp_path / "kube-cluster"
+    kube_stand_in.write_text(KUBE_STAND_IN.format(calls=calls))
+    for script in (stand_in, kube_stand_in):
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
     keep = [arg for path in INSTALLED for arg in ("-o", path)]
     env = {**os.environ, "TMPDIR": str(tmp_path), "KUBECONFIG": str(tmp_path / "kubeconfig")}
     env.pop("CI", None)
-    proc = subprocess.Popen(["make", "-C", str(ROOT), "--no-print-directory", *keep, "test", f"PY={stand_in}"],
+    proc = subprocess.Popen(["make", "-C", str(ROOT), "--no-print-directory", *keep, "test", f"PY={stand_in}",
+                             f"KUBE_CLUSTER={kube_stand_in}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     return proc, record
@@ -65,7 +76,8 @@ def test_what_the_suite_wrote_to_the_temporary_directory_goes_when_it_fails(tmp_
     suite_tmp = Path(record.read_text().strip())
     assert suite_tmp.parent == tmp_path and suite_tmp != tmp_path, suite_tmp  # a directory of its own, under TMPDIR
     assert not suite_tmp.exists(), list(suite_tmp.rglob("*"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["python", "tmpdir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kube-calls", "kube-cluster", "python", "tmpdir"]
+    assert_the_cluster_came_up_for_the_suite_and_went_down(tmp_path, suite_tmp)
 
 
 def test_what_the_suite_wrote_goes_after_ctrl_c_too(tmp_path):
@@ -80,6 +92,14 @@ def test_what_the_suite_wrote_goes_after_ctrl_c_too(tmp_path):
     assert proc.returncode != 0, output
     suite_tmp = Path(record.read_text().strip())
     assert not suite_tmp.exists(), list(suite_tmp.rglob("*"))
+    assert_the_cluster_came_up_for_the_suite_and_went_down(tmp_path, suite_tmp)
+
+
+def assert_the_cluster_came_up_for_the_suite_and_went_down(tmp_path: Path, suite_tmp: Path) -> None:
+    """kube-tools built, a cluster came up in the suite's TMPDIR, pytest saw it, and it went down after."""
+    kube = suite_tmp / "kube"
+    calls = (tmp_path / "kube-calls").read_text().splitlines()
+    assert calls == ["build", f"up {kube}", f"pytest {kube}/kubeconfig {kube}", f"down {kube}"], calls
 
 
 def test_ci_runs_exactly_the_readmes_make_test():
