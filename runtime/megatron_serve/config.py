@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # torch is imported where a dtype or a GPU is resolved, not with this module: the processes that only check options
 # (the HTTP server's, ``run``'s) run without it, an import of some 2 s of CPU
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
 # how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.experts.backend):
@@ -219,6 +220,9 @@ class InferenceConfig:
     # vLLM's options). None: a quarter of max_batch_tokens; 0: off (first come, first served).
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
+    # vLLM's --scheduling-policy: "priority" also preempts running requests of a larger priority value for a waiting
+    # one of a smaller (engine.tenancy, the tenants' classes' mechanism); "fcfs" only orders admission by it
+    scheduling_policy: str = "fcfs"
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)
@@ -292,6 +296,9 @@ class InferenceConfig:
         micro = self.pipeline_micro_batches
         if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
             raise ValueError(f"pipeline_micro_batches must be a positive integer or unset, got {micro!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = self.max_batch_tokens // 4
         threshold = self.long_prefill_token_threshold

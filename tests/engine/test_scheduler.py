@@ -28,10 +28,10 @@ MODEL = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=
 
 
 def scheduler(num_blocks: int = 64, budget: int = 64, max_requests: int = 8, prefix_caching: bool = False,
-              threshold: int = 0, max_sequence_length: int = 128) -> Scheduler:
+              threshold: int = 0, max_sequence_length: int = 128, scheduling_policy: str = "fcfs") -> Scheduler:
     admission = Admission(MODEL, max_sequence_length, BLOCK, num_blocks, (EOS,), seed=0)
     return Scheduler(BlockAllocator(num_blocks, enable_prefix_caching=prefix_caching), BLOCK, budget, max_requests,
-                     threshold, admission=admission)
+                     threshold, admission=admission, scheduling_policy=scheduling_policy)
 
 
 def request(name: str, prompt: list[int] | int, **params) -> EngineRequest:

@@ -17,14 +17,18 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=T
 BULK, CHAT = TenantTag("bulk", "sheddable"), TenantTag("chat", "critical")
 
 
-@pytest.mark.parametrize("async_scheduling, tagged", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("async_scheduling, tagged, policy", [(True, True, "fcfs"), (False, True, "fcfs"),
+                                                                (True, False, "fcfs"), (True, False, "priority")])
 def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_are_unchanged(tiny_llama,
-                                                                                          async_scheduling, tagged):
-    """``tagged`` False is the control: the same requests without tenants (the last with priority -5) wait for a slot."""
+                                                                                          async_scheduling, tagged,
+                                                                                          policy):
+    """``tagged`` False: the same requests without tenants, the last with priority -5, which waits for a slot under
+    the default policy (the control) and preempts as a better class does under vLLM's ``priority`` policy."""
+    preempts = tagged or policy == "priority"
     prompts = PROMPTS[:4] + [PROMPTS[4 % len(PROMPTS)] + " now"]
     reference = [o.generated_tokens for o in MegatronLLM(tiny_llama).generate(prompts, GREEDY)]
     engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(
-        max_requests=4, block_size_tokens=16, async_scheduling=async_scheduling))
+        max_requests=4, block_size_tokens=16, async_scheduling=async_scheduling, scheduling_policy=policy))
     requests = [DynamicInferenceRequest(request_id=f"r{i}", prompt=p, prompt_tokens=engine.tokenizer.encode(p),
                                         sampling_params=msgspec.structs.replace(
                                             GREEDY, **({"tenant": BULK if i < 4 else CHAT} if tagged
@@ -46,13 +50,13 @@ def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_ar
     while not tokens["r4"]:
         step()
         steps += 1
-    assert steps <= 2 if tagged else steps > 10
+    assert steps <= 2 if preempts else steps > 10
     while engine.has_unfinished_requests():
         step()
     assert [tokens[r.request_id] for r in requests] == reference
     assert [r.generated_tokens for r in requests] == reference
     preempted = [r.request_id for r in requests if any(e.type is EventType.PREEMPT for e in r.events)]
-    assert preempted == (["r3"] if tagged else [])  # the newest sheddable one
+    assert preempted == (["r3"] if preempts else [])  # the newest of the worst band (or of the largest value)
 
 
 @pytest.mark.parametrize("tagged", [True, False])

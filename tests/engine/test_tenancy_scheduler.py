@@ -48,6 +48,24 @@ def test_control_untagged_requests_never_displace_one_another_whatever_their_pri
     assert batch.preempted == [] and running(sched) == ["s0", "s1"] and sched.tenancy is None
 
 
+def test_with_vllms_priority_policy_a_smaller_priority_takes_the_slot_of_the_largest_newest():
+    """vLLM's --scheduling-policy priority, no tenants: the same displacement as between classes, by priority value
+    (the control above: the default policy only orders admission)."""
+    sched = scheduler(max_requests=2, scheduling_policy="priority")
+    sched.add_request(request("s0", 5, num_tokens_to_generate=20, priority=10))
+    sched.add_request(request("s1", 5, num_tokens_to_generate=20, priority=5))
+    play(sched)
+    victim = sched.requests["s0"]
+    tokens = list(victim.token_ids)
+    sched.add_request(request("c0", 5, priority=10))  # no better than the worst running one: it waits
+    assert sched.schedule().preempted == [] and running(sched) == ["s1", "s0"]
+    sched.add_request(request("c1", 5, priority=0))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["s0"]  # the largest value's, not the newest running
+    assert running(sched) == ["c1", "s1"] and victim.token_ids == tokens
+    assert [s.request_id for s in sched.waiting] == ["s0", "c0"]  # the victim ahead of its equals, tokens kept
+
+
 def test_an_equal_band_waits_for_a_free_slot():
     sched = scheduler(max_requests=2)
     for name in ("t0", "t1"):

@@ -154,6 +154,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "max_num_batched_tokens": Keyword("max_batch_tokens", _positive_int),
     "long_prefill_token_threshold": Keyword("long_prefill_token_threshold", _non_negative_int),
     "max_long_partial_prefills": Keyword("max_long_partial_prefills", _positive_int),
+    "scheduling_policy": Keyword("scheduling_policy", str),  # fcfs or priority (InferenceConfig names a bad one)
     "seed": Keyword("seed", _int),
     "quantization": Keyword("quantization", _quantization),
     "kv_cache_dtype": Keyword("kv_cache_dtype", _kv_cache_dtype),

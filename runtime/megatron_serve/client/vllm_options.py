@@ -435,9 +435,15 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--enable-sleep-mode",), _ACCEPTED, "suspend and resume (releasing and restoring GPU memory) are "
                "always available: `megatron-serve control suspend`", spec=_spec(action="store_true"),
                scope=_ENGINE, example=("--enable-sleep-mode",)),
-    VllmOption(("--scheduling-policy",), _ACCEPTED, "admission is always ordered by a request's `priority` "
-               "(lower first), then arrival: requests that send none are first come, first served",
-               spec=_spec(choices=("fcfs", "priority")), scope=_ENGINE, example=("--scheduling-policy", "priority")),
+    VllmOption(("--scheduling-policy",), _IMPLEMENTED, "admission is ordered by a request's `priority` (lower "
+               "first), then arrival, under either policy (requests that send none are first come, first served); "
+               "`priority` also preempts: a waiting request of a lower value takes the request slot or KV blocks of "
+               "the running one of the highest value (the newest of those), which resumes with its tokens intact, as "
+               "a tenant's better class does (docs/tenants.md)",
+               spec=_spec(choices=("fcfs", "priority"), default="fcfs",
+                          help="fcfs, or priority: a request of a lower `priority` value preempts one of a higher "
+                               "(default: %(default)s)"),
+               scope=_ENGINE, example=("--scheduling-policy", "priority")),
     VllmOption(("--guided-decoding-backend",), _ACCEPTED, "every output constraint is decoded with llguidance, "
                "reading JSON schemas as vLLM's default backend does: an object schema without `additionalProperties` "
                "admits no other key",

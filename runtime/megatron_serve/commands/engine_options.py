@@ -128,7 +128,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_long_partial_prefills=args.max_long_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills, scheduling_policy=args.scheduling_policy,
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size,

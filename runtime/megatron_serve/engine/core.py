@@ -124,7 +124,8 @@ class DynamicInferenceEngine:
                               self.worker.structured)
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
                                    config.long_prefill_token_threshold, config.max_long_partial_prefills,
-                                   admission=admission, stats=self.stats, parity=self.parity)
+                                   admission=admission, stats=self.stats, parity=self.parity,
+                                   scheduling_policy=config.scheduling_policy)
         # Nothing the engine holds refers back to it (a cycle kept a dropped engine and its KV pool alive until a
         # later garbage collection): the hooks close over its parts, the verbs reach settle() through a weak reference.
         kv_transfer, scheduler = self.kv_transfer, self.scheduler

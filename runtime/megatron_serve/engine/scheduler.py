@@ -20,7 +20,9 @@ prompt). What budget is left then goes to the long prompts, running first, in or
 alone is chunked as without the threshold. How a prompt is chunked never changes its tokens.
 
 Requests of tenants (``SamplingParams.tenant``) are admitted by class and fair share, and a better class takes the
-slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above). Which blocks
+slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above). vLLM's
+``--scheduling-policy priority`` turns the same policy on from the start, with the ``priority`` value inside each
+class: a waiting request of a smaller value takes the slot or blocks of a running one of a larger. Which blocks
 a step takes, the cached prefix a request starts on and the blocks it publishes are :mod:`.kv.blocks`'.
 """
 
@@ -118,7 +120,7 @@ class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int, max_requests: int,
                  long_prefill_token_threshold: int = 0, max_long_partial_prefills: int = 1, *,
                  admission: Admission | None = None, stats: EngineStats | None = None,
-                 parity: ParityChecker | None = None):
+                 parity: ParityChecker | None = None, scheduling_policy: str = "fcfs"):
         self.admission = admission
         self.stats = stats if stats is not None else EngineStats()
         self.parity = parity
@@ -144,7 +146,8 @@ class Scheduler:
         self.host_queried_tokens = 0  # of those, tokens not found on the device, looked up in the host tier
         self.host_cached_tokens = 0  # tokens admitted sequences copied back from the host tier instead of computing
         self.epoch = 0  # the weights' epoch served: new KV is computed under it, new tokens carry it
-        self.tenancy: TenantPolicy | None = None  # bands and fair shares, from the first request of a tenant
+        # bands and fair shares, from the first request of a tenant; with vLLM's priority policy from the start
+        self.tenancy = TenantPolicy(by_priority=True) if scheduling_policy == "priority" else None
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within

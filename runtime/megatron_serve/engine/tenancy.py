@@ -17,6 +17,10 @@ fleet with no tenants, always) it schedules exactly as before. With it:
   tier where they still are), so its stream goes on unchanged;
 * a request waiting ``promote_after`` steps counts as one band better, and one more for each further
   ``promote_after`` steps: no request waits forever behind better ones.
+
+With vLLM's ``--scheduling-policy priority`` (``by_priority``) a request's rank is its class's band and then its
+``priority`` value (lower is more urgent), so the same queue order, displacement and preemption apply between
+priorities within a class, tenants or none (a request without a tenant is of the ``standard`` class).
 """
 
 from __future__ import annotations
@@ -33,24 +37,33 @@ if TYPE_CHECKING:
 #: Steps a waiting request of a tenant waits before it counts as one band better.
 DEFAULT_PROMOTE_AFTER = 512
 
+#: Where a request stands: its class's band, then (vLLM's priority policy) its priority value; smaller is better.
+Rank = tuple[int, int]
+
 
 def base_band(sequence: "Sequence") -> int:
+    """Its class's band (the KV pool's eviction order reads it too: ``kv.blocks``)."""
     return band_of(sequence.sampling_params.tenant)
 
 
 class TenantPolicy:
     """Bands, fair shares and displacement for one scheduler (module docstring)."""
 
-    def __init__(self, promote_after: int = DEFAULT_PROMOTE_AFTER) -> None:
+    def __init__(self, promote_after: int = DEFAULT_PROMOTE_AFTER, by_priority: bool = False) -> None:
         self.promote_after = promote_after
+        self.by_priority = by_priority
         self.counts: dict[str, float] = {}  # virtual tokens by tenant
 
-    def band(self, sequence: "Sequence") -> int:
-        """The band ``sequence`` counts in now: its class's, better by one per ``promote_after`` steps waited."""
-        band = base_band(sequence)
+    def rank(self, sequence: "Sequence") -> Rank:
+        """Its class's band and, with ``by_priority``, its priority value (else 0)."""
+        return base_band(sequence), sequence.priority if self.by_priority else 0
+
+    def band(self, sequence: "Sequence") -> Rank:
+        """Where ``sequence`` stands now: its rank, its band better by one per ``promote_after`` steps waited."""
+        band, priority = self.rank(sequence)
         if self.promote_after and sequence.waited_steps >= self.promote_after:
             band = max(0, band - sequence.waited_steps // self.promote_after)
-        return band
+        return band, priority
 
     def added(self, sequence: "Sequence", held: Iterable["Sequence"]) -> None:
         """A new request: its tenant, if it had nothing here, starts at the least count of those that have."""
@@ -70,7 +83,7 @@ class TenantPolicy:
         at the tokens it has to compute), each tenant's requests in their order."""
         if len(waiting) < 2:
             return
-        groups: dict[tuple[int, str], list["Sequence"]] = {}
+        groups: dict[tuple[Rank, str], list["Sequence"]] = {}
         for sequence in waiting:
             tag = sequence.sampling_params.tenant
             groups.setdefault((self.band(sequence), "" if tag is None else tag.name), []).append(sequence)
@@ -108,9 +121,9 @@ class TenantPolicy:
         """Run ``sequence``: after every running request of its band or better (the running list stays in band
         order, so that the newest of the worst band is the one preempted first)."""
         sequence.waited_steps = 0
-        band = base_band(sequence)
+        band = self.rank(sequence)
         index = len(running)
-        while index and base_band(running[index - 1]) > band:
+        while index and self.rank(running[index - 1]) > band:
             index -= 1
         running.insert(index, sequence)
 
@@ -128,5 +141,5 @@ class TenantPolicy:
         if not running:
             return None
         last = running[-1]
-        return last if base_band(last) > self.band(head) else None
+        return last if self.rank(last) > self.band(head) else None
 

@@ -79,6 +79,7 @@ ENGINE_FIELDS = {
     "max_requests": "max_requests",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "max_long_partial_prefills": "max_long_partial_prefills",
+    "scheduling_policy": "scheduling_policy",
     "max_sequence_length": "max_sequence_length",
     "prefix_caching": "enable_prefix_caching",
     "cuda_graphs": "enable_cuda_graphs",
