@@ -7,7 +7,7 @@ Half of each case's 50 streams go over HTTP (each must end with all its tokens),
 client of the coordinator, compared id by id with the same prompt answered by the quiet fleet first.
 
 What each case found before: a killed coordinator was never replaced and 41 of 43 streams got no
-byte and no error for 90 s; a killed engine was never replaced (capacity halved, nothing in any
+byte and no error for 90 s; a stopped (hung) one was never replaced either; a killed engine was never replaced (capacity halved, nothing in any
 log); ``/ready`` was 200 while paused; Ctrl-C ended 4 long requests in 1.8 s whatever
 ``--drain-timeout`` said; ``kill -9`` of ``run`` left its children running (the next ``run`` failed
 "Address already in use") and every run left its directory behind.
@@ -97,6 +97,33 @@ async def test_sigkill_of_the_coordinator_with_50_streams_in_flight(stack, quiet
     await until(lambda: stack.children()["coordinator"] and stack.one("coordinator") != victim, 60,
                 "a new coordinator")
     await stack.wait_engines(2, timeout=90)
+
+
+async def test_sigstop_of_the_coordinator_past_its_liveness_deadline(stack, quiet):
+    """Issue 86: a hung coordinator was never restarted (a 60-s SIGSTOP cost 1,813 new requests and all 16 streams in
+    flight). Stopped, it is killed once it has answered nothing for the liveness deadline (10 s) and started again
+    as a killed one is, and every stream finishes with the tokens of the quiet run."""
+    await stack.wait_engines(2, timeout=90)  # the fleet whole again after the case before (a coordinator killed)
+    (victim,) = stack.children()["coordinator"]
+    stopped = time.monotonic()
+
+    async def hurt():
+        nonlocal stopped
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+
+    try:
+        outcomes = await streams_hurt_midway(stack, hurt)
+    finally:
+        if alive(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert_all_equal_to_quiet(outcomes, quiet)
+    hung = [line for line in stack.output().splitlines() if "coordinator is hung" in line]
+    assert hung and "liveness deadline 10s" in hung[0], stack.output()[-3000:]
+    await until(lambda: stack.children()["coordinator"] and stack.one("coordinator") != victim, 60,
+                "a new coordinator")
+    await stack.wait_engines(2, timeout=90)
+    print(f"\nthe fleet was back to 2 engines {time.monotonic() - stopped:.1f}s after the coordinator stopped")
 
 
 async def test_sigkill_of_an_engine_with_50_streams_in_flight_and_the_fleet_back_to_full_size(stack, quiet):

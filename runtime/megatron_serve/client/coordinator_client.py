@@ -373,6 +373,13 @@ class InferenceClient(FleetVerbs):
         return (self._connection.registered and not self._link.closed
                 and self._connection.silent_for(time.monotonic()) < self.coordinator_timeout)
 
+    def silent_for(self) -> float | None:
+        """Seconds since the coordinator last sent this client anything (it answers every heartbeat), None while the
+        client is not registered with one: what a supervisor's liveness check reads (:mod:`~..fleet.coordinator_watch`)."""
+        if not self._connection.registered or self._link.closed:
+            return None
+        return self._connection.silent_for(time.monotonic())
+
     @property
     def num_pending(self) -> int:
         return len(self._pending)

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..config import InferenceConfig
 from .argv import TOKEN_ENV, disaggregated_roles, inference_config_to_argv, kv_role_argv
+from .coordinator_watch import COORDINATOR_LIVENESS_TIMEOUT, CoordinatorWatch
 from .lifeline import Lifeline
 from ..wire.security import make_secret
 from .supervisor import Child, Gang, Supervisor, exit_cause, log_tail
@@ -146,6 +147,11 @@ def remove_stale_run_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 
 class LocalFleet:
     """``start()`` returns the coordinator address; ``stop()`` ends every child (STOP first, then signals)."""
+
+    #: Once supervised, a coordinator that answers nothing this long is killed and started again
+    #: (:mod:`.coordinator_watch`; None: only a dead one is).
+    liveness_timeout: float | None = COORDINATOR_LIVENESS_TIMEOUT
+    _watch: CoordinatorWatch | None = None  # that check's connection, made by supervise()
 
     def __init__(
         self,
@@ -367,8 +373,12 @@ class LocalFleet:
                 self._supervisor.want_ranks(gang, group["wanted"], read_at)
 
     def supervise(self, on: bool = True) -> None:
-        """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause
-        (``on=False``: no more restarts, e.g. before a STOP that ends the engines)."""
+        """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause, and a
+        coordinator that answers nothing for ``liveness_timeout`` (``on=False``: no more restarts, e.g. before a STOP
+        that ends the engines)."""
+        if on and self._watch is None and self.liveness_timeout and self._coordinator is not None and self.address:
+            self._watch = CoordinatorWatch(self.address, self.token, self.liveness_timeout)
+            self._coordinator.hung = self._watch.hung
         self._supervisor.restart_dead(on)
 
     def check_alive(self) -> None:
@@ -434,6 +444,8 @@ class LocalFleet:
         self._ended = True
         atexit.unregister(self.kill)
         self._supervisor.close()
+        if self._watch is not None:
+            self._watch.close()
         self._lifeline.close()
         if self._lock_fd is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -4,7 +4,8 @@ Like a StatefulSet's pods (or systemd's ``Restart=on-failure``): a child that di
 with a non-zero exit code is started again with the same command line, after a back-off that
 doubles from ``initial`` to ``maximum`` and starts over once a child has run for ``stable``
 seconds, and each restart is logged with its cause. A child that exits 0 did what it was asked
-(STOP, or a drain after SIGTERM) and is left alone. Before, a killed engine left the fleet at half
+(STOP, or a drain after SIGTERM) and is left alone. A child with a liveness check (:attr:`Child.hung`: the
+coordinator's, :mod:`.coordinator_watch`) that finds it hung is killed and restarted the same way. Before, a killed engine left the fleet at half
 its capacity with nothing in any log, and a killed coordinator was never replaced.
 
 A :class:`Gang` (the attention ranks of one data-parallel group: engines whose MoE layers' collectives
@@ -64,6 +65,8 @@ class Child:
     retired_at: float = 0.0  # when it was found retired (monotonic): a size read before then predates its exit
     causes: list[str] = field(default_factory=list)  # why it was restarted, in order
     gang: "Gang | None" = None  # the children it lives and dies with
+    # its liveness check: why it counts as hung at ``now`` given when it started, or None (None: exits only)
+    hung: Callable[[float, float], str | None] | None = None
 
 
 @dataclass(eq=False)
@@ -221,6 +224,11 @@ class Supervisor:
                 continue
             code = child.proc.poll()
             if code is None:
+                reason = None if child.hung is None else child.hung(child.started, now)
+                if reason is not None:  # killed and started again as a dead one is
+                    logger.warning("%s is hung (%s): killing it", child.name, reason)
+                    end_process_group(child.proc)
+                    self._schedule(child, child.proc.returncode, now, f"; it was hung: {reason}")
                 continue
             if code == 0:
                 child.retired = True
