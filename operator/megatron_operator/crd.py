@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_speculative, crd_tenants
-from .crd_fields import free_field, int_field, obj_field, str_field
+from .crd_fields import free_field, int_field, obj_field, str_field, volume_field
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -180,8 +180,7 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
 ]
 
-CEL_RULES += (crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES
-              + crd_tenants.CEL_RULES + crd_speculative.CEL_RULES)
+CEL_RULES += crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES + crd_speculative.CEL_RULES
 
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
@@ -218,9 +217,9 @@ def spec_schema() -> dict[str, Any]:
                  "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
                 required=["name", "key"],
             ),
-            "volume": free_field("Any Kubernetes volume source holding the model, e.g. "
-                                 "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
-                                 "hub init container mounts it writable)."),
+            "volume": volume_field("Any Kubernetes volume source holding the model, e.g. "
+                                   "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
+                                   "hub init container mounts it writable)."),
             "mountPath": str_field("Where the model volume is mounted.", default="/models",
                                    minLength=1, maxLength=1024, pattern="^/"),
             "dtype": str_field("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
@@ -350,9 +349,9 @@ def spec_schema() -> dict[str, Any]:
                                                "volume is set, or inside the model volume.",
                                                minLength=1, maxLength=4096, pattern="^/"),
                          }, required=["name", "path"])},
-            "volume": free_field("Any Kubernetes volume source holding the adapters, e.g. "
-                                 "{persistentVolumeClaim: {claimName: adapters}}; mounted read-only at mountPath in "
-                                 "the engine pods."),
+            "volume": volume_field("Any Kubernetes volume source holding the adapters, e.g. "
+                                   "{persistentVolumeClaim: {claimName: adapters}}; mounted read-only at mountPath in "
+                                   "the engine pods."),
             "mountPath": str_field("Where the adapter volume is mounted.", default="/adapters",
                                    minLength=1, maxLength=1024, pattern="^/"),
             "maxLoras": int_field("Adapter slots on each engine's device: the most adapters one step mixes (vLLM's "

@@ -25,3 +25,11 @@ def obj_field(description: str, properties: dict[str, Any], **extra: Any) -> dic
 def free_field(description: str) -> dict[str, Any]:
     """An object whose content the API server keeps as is (a Kubernetes type we pass through)."""
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def volume_field(description: str) -> dict[str, Any]:
+    """A Kubernetes volume source, ``{<kind>: {...}}``: a map of objects kept as they are. A map, not a free object,
+    so that CEL rules may count its keys (``size()`` has no overload for an object of unknown fields, and the API
+    server refuses a CRD whose rule calls it there)."""
+    return {"type": "object", "description": description,
+            "additionalProperties": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}

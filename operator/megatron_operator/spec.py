@@ -129,6 +129,21 @@ def check_schema(value: Any, schema: dict[str, Any], path: str, errors: list[str
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             check_schema(item, schema["items"], f"{path}[{i}]", errors)
+    if isinstance(value, list) and schema.get("x-kubernetes-list-type") == "map":
+        _check_map_keys(value, schema["x-kubernetes-list-map-keys"], path, errors)
+
+
+def _check_map_keys(items: list[Any], keys: list[str], path: str, errors: list[str]) -> None:
+    """A list of ``x-kubernetes-list-type: map``: the API server refuses two items of one key."""
+    seen: set[tuple[Any, ...]] = set()
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        key = tuple(item.get(k) for k in keys)
+        if key in seen:
+            named = ", ".join(f"{k} {v!r}" for k, v in zip(keys, key))
+            errors.append(f"{path}[{i}]: duplicate value ({named}): each item's {', '.join(keys)} must be unique")
+        seen.add(key)
 
 
 def _check_cel(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:

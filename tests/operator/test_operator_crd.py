@@ -100,12 +100,26 @@ def _cel_errors(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
     return errors
 
 
+def _duplicate_keys(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
+    """Items of an ``x-kubernetes-list-type: map`` list that repeat a key (the API server's "Duplicate value")."""
+    errors: list[str] = []
+    if isinstance(value, dict):
+        for name, sub in (node.get("properties") or {}).items():
+            if name in value:
+                errors += _duplicate_keys(value[name], sub, f"{path}.{name}" if path else name)
+    if isinstance(value, list) and node.get("x-kubernetes-list-type") == "map":
+        keys = [tuple(item.get(k) for k in node["x-kubernetes-list-map-keys"]) for item in value]
+        errors += [f"{path}[{i}]: Duplicate value: {key}" for i, key in enumerate(keys) if key in keys[:i]]
+    return errors
+
+
 def crd_errors(resource: dict[str, Any]) -> list[str]:
-    """What the API server (structure + defaults + CEL) would say about ``resource``."""
+    """What the API server (structure + defaults + list keys + CEL) would say about ``resource``."""
     schema = crd.openapi_schema()
     obj = _default(copy.deepcopy(resource), schema)
     validator = jsonschema.Draft4Validator(structural_json_schema(schema))
     errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    errors += _duplicate_keys(obj, schema)
     if not errors:
         errors = _cel_errors(obj, schema)
     return errors
@@ -259,6 +273,8 @@ BAD = {
     "fewer host adapters than device slots": (
         lambda d: d["spec"].update(lora={"maxLoras": 4, "maxCpuLoras": 2}),
         "spec.lora: lora.maxCpuLoras must be at least lora.maxLoras"),
+    "two tenants of one name": (lambda d: d["spec"].update(tenants=[{"name": "a"}, {"name": "a"}]),
+                                "spec.tenants[1]: duplicate value (name 'a')"),
     "name too long": (lambda d: d["metadata"].update(name="a" * 41),
                       "(root): metadata.name must be at most 40 characters"),
     "name starting with a digit": (lambda d: d["metadata"].update(name="7b-model"),
