@@ -255,11 +255,12 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     if (Path(model_dir) / WEIGHTS_LINK).exists():
         raise ValueError(f"{model_dir}: new weights come as a safetensors checkpoint; a GGUF file is served from "
                          "the start only")
-    new_config = ModelConfig.from_dir(model_dir)
-    for name in STRUCTURAL_FIELDS:
-        new, old = getattr(new_config, name), getattr(model.config, name)
-        if new != old:
-            raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
+    if (Path(model_dir) / "config.json").is_file():  # else weights only (prime-rl's steps): the serving model's
+        new_config = ModelConfig.from_dir(model_dir)
+        for name in STRUCTURAL_FIELDS:
+            new, old = getattr(new_config, name), getattr(model.config, name)
+            if new != old:
+                raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
 
     dtypes: dict[str, torch.dtype] = {}
 

@@ -10,7 +10,8 @@ under a name the model lacks, with a wrong shape, or with a dtype that cannot tr
 broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL HEAD's sync: its
 worker methods through ``/collective_rpc``, see :func:`skyrl`), ``--backend nccl`` (vLLM:
 the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg), ``--legacy``
-(primerl-nccl: the body of prime-rl's earlier orchestrators, ``server_rank`` and ``num_inference_server``).
+(primerl-nccl: the body of prime-rl's earlier orchestrators, ``server_rank`` and ``num_inference_server``),
+``--disk`` (areal: its directory update). ``stalled``: a trainer that stops mid-update (:func:`stalled`).
 
 ``python weight_trainer.py --serve``: the same runs, one per line of stdin, in one process (see :func:`serve`).
 """
@@ -211,6 +212,43 @@ def trl(calls: Calls, args: argparse.Namespace) -> None:
     calls.post("/close_communicator/")
 
 
+def areal(calls: Calls, args: argparse.Namespace) -> None:
+    """AReaL's vLLM backend (``areal/engine/vllm_remote.py`` at AReaL 4aef98d: ``get_pause_request``,
+    ``build_init_weights_group_request``, ``build_distributed_weight_update_requests``, ``get_resume_request``, as
+    ``areal/infra/remote_inf_engine.py`` runs them) and its trainer's broadcast, one tensor at a time in the order of
+    ``names`` (``areal_update_weight_xccl``'s receiver). ``--disk``: ``build_disk_weight_update_requests`` instead."""
+    calls.post("/areal_pause_generation", {})
+    if args.disk:
+        calls.post("/areal_update_weights", {"model_path": args.model})
+        calls.post("/areal_continue_generation", {})
+        return
+    named, dtypes = tensors_of(args.model, args.corrupt)
+    group_body = {"master_address": "127.0.0.1", "master_port": str(args.port), "rank_offset": 1, "world_size": 2,
+                  "backend": "gloo", "group_name": GROUP}
+    _, group = calls.alongside("/areal_init_weights_update_group", group_body,
+                               lambda: trainer_init("127.0.0.1", args.port, 2, prefixes=sglang_prefixes(GROUP, "gloo"),
+                                                    timeout=120))
+    calls.post("/areal_set_update_weight_meta", {"names": [n for n, _ in named], "dtypes": dtypes,
+                                                 "shapes": [list(t.shape) for _, t in named], "group_name": GROUP})
+    calls.alongside("/areal_update_weights_xccl", {}, lambda: trainer_send_weights(named, group, packed=False))
+    calls.post("/areal_continue_generation", {})
+
+
+def stalled(calls: Calls, args: argparse.Namespace) -> None:
+    """A trainer that stalls mid-update: vLLM's init, start and ``/update_weights``, then nothing broadcast; prints
+    ``{"stalled": true}`` once the update call is under way (the test then stops this process)."""
+    named, dtypes = tensors_of(args.model, None)
+    init_info = {"master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1, "world_size": 2}
+    _, group = calls.alongside("/init_weight_transfer_engine", {"init_info": init_info},
+                               lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120))
+    calls.post("/start_weight_update", {"is_checkpoint_format": True})
+    update_info = {"names": [n for n, _ in named], "dtype_names": dtypes, "shapes": [list(t.shape) for _, t in named]}
+    calls.pool.submit(calls.post, "/update_weights", {"update_info": update_info})
+    print(json.dumps({"stalled": True}), flush=True)
+    time.sleep(3600)  # the group held open, nothing sent: the server's receive waits
+    del group
+
+
 def disk(calls: Calls, args: argparse.Namespace) -> None:
     """SGLang's ``update_weights_from_disk`` (``slime/backends/sglang_utils/sglang_engine.py``): the server reads
     the directory."""
@@ -274,7 +312,7 @@ def _primerl_send(tensor: torch.Tensor, group: Any) -> None:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl", "primerl-nccl",
-                                                 "trl-client"])
+                                                 "trl-client", "areal", "stalled"])
     parser.add_argument("url")
     parser.add_argument("model")
     parser.add_argument("port", type=int)
@@ -284,6 +322,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-start", action="store_true")
     parser.add_argument("--skyrl", action="store_true")
     parser.add_argument("--legacy", action="store_true")
+    parser.add_argument("--disk", action="store_true")  # areal: its disk update
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")  # vllm: the server's backend
     return parser
 
@@ -294,7 +333,7 @@ def run(argv: list[str]) -> None:
     calls = Calls(args.url)
     try:
         {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl, "primerl-nccl": primerl_nccl,
-         "trl-client": trl_client}[args.protocol](calls, args)
+         "trl-client": trl_client, "areal": areal, "stalled": stalled}[args.protocol](calls, args)
     finally:
         calls.pool.shutdown()
         calls.http.close()

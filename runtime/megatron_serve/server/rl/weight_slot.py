@@ -30,7 +30,7 @@ logger = logging.getLogger("megatron_serve.server")
 
 #: Seconds without progress (a call of the update's trainer, a broadcast received) after which a new trainer's init
 #: ends the operation or started update in its way.
-STALL_S = 30.0
+STALL_S = 20.0
 
 
 @dataclass
@@ -75,9 +75,10 @@ class Slot:
             if self.current is op:
                 self.current = None
 
-    def busy(self) -> APIError:
-        """The answer to a call that finds an operation (or a started update) in its way."""
-        op = self.current
+    def busy(self, op: Operation | None = None) -> APIError:
+        """The answer to a call that finds an operation (``op``: the one under way, by default) or a started update
+        in its way."""
+        op = op or self.current
         if op is not None:
             doing, owner, age = op.what, op.owner, time.monotonic() - op.since
         else:

@@ -238,10 +238,10 @@ class WeightUpdates:
 
     async def start(self) -> None:
         """An update begins: what the trainer broadcasts from now on is staged until :meth:`finish`."""
+        if self.slot.current is None and self.slot.started_by is not None:
+            raise self.slot.busy()  # (the started update, which no operation of its own describes)
         async with self.hold("starting an update"):
             self.joined()
-            if self.slot.started_by is not None:
-                raise self.slot.busy()
             self.staged, self.slot.started_by = {}, self.owner()
 
     def refused(self, exc: APIError) -> None:

@@ -165,7 +165,7 @@ async def receive_update(updates: WeightUpdates, info: UpdateInfo) -> None:
             else:
                 updates.stage(tensors)
     except APIError as exc:
-        if exc.status != 409 or exc.code != "weight_update_in_progress":
+        if exc.code not in ("weight_update_in_progress", "weight_transfer_ended"):  # (those end nothing of this update)
             updates.refused(exc)
         raise
 
