@@ -114,3 +114,15 @@ def test_kill_9_of_a_run_with_two_api_servers_leaves_no_private_folder(tiny_llam
         while left(tmpdir, "megatron-serve-*-*") or left(tmpdir, "megatron-fleet-*"):
             assert time.monotonic() < deadline, f"15 s after kill -9 of run: {left(tmpdir, '*')}"
             time.sleep(0.05)
+
+
+def test_a_directory_given_to_a_janitor_that_was_killed_is_no_error(tmp_path):
+    """``run`` tells its janitor of the API servers' folders once the model loaded; a janitor killed before then
+    (``kill -9`` of it) must not end ``run`` with a broken pipe."""
+    from megatron_serve.commands.run_janitor import Janitor  # noqa: PLC0415
+
+    janitor = Janitor([])
+    janitor.process.kill()
+    janitor.process.wait()
+    janitor.add(tmp_path)  # nothing to tell: the folder is left to run's own stop
+    assert tmp_path.exists()

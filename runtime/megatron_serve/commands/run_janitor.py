@@ -36,8 +36,12 @@ class Janitor:
         os.close(read)
 
     def add(self, directory: Path) -> None:
-        """Remove ``directory`` too once the caller has exited."""
-        os.write(self._write, f"{directory}\n".encode())
+        """Remove ``directory`` too once the caller has exited (unless the janitor was killed: then the caller's own
+        stop is all that removes it)."""
+        try:
+            os.write(self._write, f"{directory}\n".encode())
+        except BrokenPipeError:
+            pass
 
 
 def read_to_end(fd: int) -> bytes:
