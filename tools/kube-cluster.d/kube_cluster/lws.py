@@ -44,8 +44,12 @@ def _config(folder: Path, ports: dict[str, int]) -> Path:
 
 def _webhooks(folder: Path, ports: dict[str, int], release: Path, kubectl: Callable[..., str]) -> str:
     """The release's webhook configurations, pointed at the local controller (a List as JSON)."""
-    documents = json.loads(kubectl("create", "--dry-run=client", "-o", "json", "-f", str(release)))
-    items = documents["items"] if documents.get("kind") == "List" else [documents]
+    printed = kubectl("create", "--dry-run=client", "-o", "json", "-f", str(release))
+    items, decoder, at = [], json.JSONDecoder(), 0
+    while printed[at:].strip():  # kubectl prints one JSON object per document, back to back
+        item, end = decoder.raw_decode(printed[at:].lstrip())
+        at = len(printed) - len(printed[at:].lstrip()) + end
+        items.append(item)
     ca = base64.b64encode((folder / "pki" / "ca.crt").read_bytes()).decode()
     for item in items:
         item["metadata"] = {"name": "lws-" + item["metadata"]["name"]}
@@ -67,8 +71,10 @@ def start(cache: Path, folder: Path, ports: dict[str, int], kubeconfig: Path, ap
     """Install the CRDs, start the controller, register its webhooks, wait until it serves."""
     release = components.BY_NAME["lws"]
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(release.folder(cache) / "crds"))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s",
-            "crd/leaderworkersets.leaderworkerset.x-k8s.io")
+    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/leaderworkersets.leaderworkerset.x-k8s.io"
+    processes.wait("the LeaderWorkerSet CRD to be Established",
+                   lambda: any(c["type"] == "Established" and c["status"] == "True"
+                               for c in api.get(crd).get("status", {}).get("conditions", [])), 60)
     processes.start(folder, "lws-controller",
                     [str(release.binary(cache, "lws-controller")), f"--config={_config(folder, ports)}"],
                     env={"KUBECONFIG": str(kubeconfig)})
