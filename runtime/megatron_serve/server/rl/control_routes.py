@@ -19,6 +19,7 @@ from .control import Control
 from .liveness import add_liveness_route
 from .server_info import add_server_info_routes
 from .session_routes import add_session_routes
+from .sglang_loads import add_loads_route
 from .sglang_control import SGLANG_CONTROL_BODIES, SGLANG_CONTROL_PATHS, add_sglang_control_routes
 from .trl_control import TRL_CONTROL_PATHS, add_trl_control_routes
 from .vllm_control import VLLM_CONTROL_PATHS, VllmAbortRequests, VllmResetPrefixCache, add_vllm_control_routes
@@ -42,3 +43,4 @@ def add_control_routes(app: FastAPI, ctx: ServerContext, admin_key: str | None, 
     add_liveness_route(app, ctx)
     add_areal_control_routes(app, control, admin)
     add_session_routes(app, api_guard)
+    add_loads_route(app, ctx, control, api_guard)

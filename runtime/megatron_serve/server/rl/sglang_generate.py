@@ -12,13 +12,14 @@ cumulative events: each holds the whole answer so far. The request runs through 
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
+from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model, model_validator
 
 from ...client.outputs import StreamPartial
 from ...wire.sampling_fields import COPIED, FIELDS
@@ -81,6 +82,74 @@ class SglangGenerateRequest(BaseModel):
     log_metrics: bool | None = Field(None, description="accepted: this server's metrics count every request")
     session_id: str | None = Field(None, description="the multi-turn session it belongs to (X-Session-ID wins): kept "
                                                      "on the engine that holds its KV blocks (docs/kv-routing.md)")
+    conversation_id: str | None = Field(None, description="accepted: SGLang tracks it, it changes no answer")
+    routing_key: str | None = Field(None, description="accepted: SGLang's routing-key policy; the coordinator routes")
+    no_logs: bool = Field(False, description="accepted: the request log holds no prompt text anyway")
+    custom_labels: dict[str, str] | None = Field(None, description="accepted: SGLang's metric labels, not kept here")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_fields(cls, data: Any) -> Any:
+        """GenerateReqInput's other fields (:data:`NEUTRAL`): a text request carries them at their neutral value
+        (AReaL's backend always sends ``image_data: null``), dropped here; another value asks for what this route
+        does not do, a 400 naming the field."""
+        if not isinstance(data, dict) or not NEUTRAL.keys() & data.keys():
+            return data
+        kept = {}
+        for name, value in data.items():
+            if name not in NEUTRAL:
+                kept[name] = value
+            elif value != NEUTRAL[name][0]:
+                raise bad_request(f"{name}: {NEUTRAL[name][1]} is not served by /generate here (send "
+                                  f"{json.dumps(NEUTRAL[name][0])} or leave it out)", param=name,
+                                  code="unsupported_parameter")
+        return kept
+
+
+#: SGLang ``GenerateReqInput`` fields (0.5.23) a text request carries at their neutral value: name -> (that value,
+#: what another value asks for).
+NEUTRAL: dict[str, tuple[Any, str]] = {
+    **{name: (None, "multimodal input") for name in (
+        "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "video_config", "modalities",
+        "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
+        "images_config", "mm_processor_kwargs", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls")},
+    "use_audio_in_video": (False, "multimodal input"),
+    "input_embeds": (None, "a prompt as embeddings"),
+    "positional_embed_overrides": (None, "embedding overrides"),
+    "watermark": (None, "watermarking"),
+    "token_ids_logprob": (None, "log probs of chosen token ids"),
+    "return_sampling_mask": (None, "the sampling support of each token"),
+    "sampling_logprobs_mode": (None, "the sampling support of each token"),
+    "return_flat_raw_top_logprobs": (False, "flat top log probs"),
+    "return_flat_raw_output_top_logprobs": (False, "flat top log probs"),
+    "return_flat_raw_top_logprobs_b64": (False, "flat top log probs"),
+    "return_hidden_states": (False, "hidden states"),
+    "routed_experts_start_len": (0, "routed experts from a later position"),
+    "return_indexer_topk": (False, "the sparse-attention indexer's choices"),
+    "return_entropy": (False, "entropies"),
+    "return_prompt_token_ids": (False, "prompt ids without log probs"),
+    "return_bytes": (False, "image generation"),
+    "session_params": (None, "SGLang's prompt sessions"),
+    "lora_path": (None, "a LoRA adapter by path (a request picks an adapter by /v1/completions' model)"),
+    "lora_id": (None, "a LoRA adapter by id"),
+    "custom_logit_processor": (None, "a custom logit processor"),
+    **{name: (None, "disaggregation bootstrap fields (the coordinator disaggregates itself)") for name in (
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+        "disagg_prefill_dp_rank")},
+    "routed_dp_rank": (None, "a data-parallel rank (send X-data-parallel-rank to /v1/completions)"),
+    "data_parallel_rank": (None, "a data-parallel rank (send X-data-parallel-rank to /v1/completions)"),
+    "background": (False, "background responses"),
+    "require_reasoning": (False, "required reasoning"),
+    "max_thinking_tokens": (None, "a thinking budget"),
+    "extra_key": (None, "an extra cache key"),
+    "cache_salt": (None, "a cache salt"),
+    "kv_hints": (None, "KV hints"),
+    "multi_item_delimiter_indices": (None, "multi-item scoring"),
+    "token_indices_to_pool": (None, "pooling"),
+    "external_trace_header": (None, "trace propagation"),
+    "received_time": (None, "an internal timestamp"),
+    "http_worker_ipc": (None, "an internal endpoint"),
+}
 
 
 class FinishReasonInfo(BaseModel):
