@@ -257,8 +257,9 @@ def test_the_engine_class_holds_its_parts_and_nothing_in_the_engine_imports_it()
 #: The engine class is the step loop over its scheduler, worker and verbs' objects (issue 52's bound; one method more
 #: since issue 64: every verb through ``call`` and prefill/decode's ``kv_in`` and ``kv_out`` replace ``receive_kv``
 #: and the process's reach into the verbs' objects and ``engine.kv_transfer``; one more since issue 62: ``idle``, the
-#: loop's turn without a step, so that the disk tier's KV events leave an engine with no requests).
-MAX_ENGINE_CLASS_LINES = 300
+#: loop's turn without a step, so that the disk tier's KV events leave an engine with no requests). 250 lines since
+#: issue 85, where the KV tiers (engine.kv.tiers) and the engine's reports (engine.report) became objects of their own.
+MAX_ENGINE_CLASS_LINES = 250
 MAX_ENGINE_CLASS_METHODS = 22
 
 

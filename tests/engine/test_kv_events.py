@@ -108,7 +108,7 @@ def holdings(batches: list[KVEventBatch]) -> dict[str, set[int]]:
 
 def last_seq(llm: MegatronLLM) -> int:
     """The number of the last batch the engine's publisher was given."""
-    return llm.engine.kv_events.seq_of(llm.engine.kv_publisher)
+    return llm.engine.kv_events.seq_of(llm.engine.kv.publisher)
 
 
 def prompts(count: int = 6, length: int = 5 * BLOCK + 3) -> list[list[int]]:
@@ -139,7 +139,7 @@ def test_a_subscriber_of_vllms_schema_decodes_every_batch_and_sees_what_each_tie
         llm.generate([prompt], PARAMS)
     for prompt in batch:
         llm.generate([prompt], PARAMS)
-    last = engine.kv_events.seq_of(engine.kv_publisher)
+    last = engine.kv_events.seq_of(engine.kv.publisher)
     received = subscriber.receive(last)
     assert received and received[-1][0] == last
     missed = subscriber.ask_replay(0)  # the slow joiner's gap: the replay fills it
@@ -162,7 +162,7 @@ def test_a_subscriber_of_vllms_schema_decodes_every_batch_and_sees_what_each_tie
     assert [seq for seq, _ in cleared] == [last + 1]
     assert [type(e) for e in DECODER.decode(cleared[0][1]).events] == [AllBlocksCleared]
     llm.generate([batch[0]], PARAMS)  # the new epoch's blocks carry other hashes
-    after = subscriber.receive(engine.kv_events.seq_of(engine.kv_publisher))
+    after = subscriber.receive(engine.kv_events.seq_of(engine.kv.publisher))
     stored = {h for _, p in after for e in DECODER.decode(p).events if isinstance(e, BlockStored) for h in e.block_hashes}
     assert stored and not stored & set(block_hashes(batch[0][: 5 * BLOCK], BLOCK))
 

@@ -82,7 +82,7 @@ def test_a_decode_engine_continues_from_the_prefill_engines_blocks_bitwise(tiny_
     # (a continuation's log probs are those of the tokens it generates: the first one's came from the prefill)
     assert [r.generated_log_probs for r in requests] == [r.generated_log_probs[1:] for r in expected]
     assert served.load().computed_tokens == len(requests) * (MAX_TOKENS - 1)  # not one prompt token
-    counts = served.kv_transfer.counts
+    counts = served.kv.transfer.counts
     assert counts.transfers["received"] == len(blocks) and counts.bytes["received"] == sum(b.num_bytes for b in blocks)
 
     # The control: blocks of zeros in place of the prefill's change what the decode engine generates, so the
@@ -100,7 +100,7 @@ def test_blocks_of_other_weights_are_not_used_and_the_context_is_computed(tiny_l
     requests, served = decode_from(tiny_llama, firsts, stale)
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
     assert served.load().computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
-    assert served.kv_transfer.counts.transfers["received"] == 0
+    assert served.kv.transfer.counts.transfers["received"] == 0
 
 
 def test_only_a_request_that_goes_on_sends_its_blocks(tiny_llama):
@@ -119,7 +119,7 @@ def test_only_a_request_that_goes_on_sends_its_blocks(tiny_llama):
     finish(served)
     assert requests[1].finish_reason.value == "stop" and requests[2].finish_reason.value == "abort"
     assert [b.request_id for b in served.kv_out("e")] == ["length"]
-    assert served.kv_transfer.counts.transfers["sent"] == 1
+    assert served.kv.transfer.counts.transfers["sent"] == 1
 
 
 def test_blocks_larger_than_a_part_travel_in_parts_and_arrive_whole(tiny_llama, monkeypatch):
@@ -134,7 +134,7 @@ def test_blocks_larger_than_a_part_travel_in_parts_and_arrive_whole(tiny_llama, 
     assert served.load().computed_tokens == len(requests) * (MAX_TOKENS - 1)
     missing, served = decode_from(tiny_llama, firsts, [p for p in parts if (p.request_id, p.first_block) != ("r1", 2)])
     assert [r.generated_tokens for r in missing] == [r.generated_tokens for r in expected]
-    assert served.kv_transfer.counts.transfers["received"] == 2  # r1 computed its context: a part never came
+    assert served.kv.transfer.counts.transfers["received"] == 2  # r1 computed its context: a part never came
     assert served.load().computed_tokens == len(prompts()[1]) + len(requests) * (MAX_TOKENS - 1)
 
 

@@ -49,20 +49,18 @@ from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
 from .experts.backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
-from .kv.cache import BlockAllocator
-from .kv.events import KVEventLog, ZmqPublisher
-from .kv.offload import HostKVTier
-from .kv.transfer import KVTransfer
+from .kv.tiers import KVTiers
 from .logprob_parity import ParityChecker
-from .lora.adapters import engine_loras, lora_report
+from .lora.adapters import engine_loras
 from .lora.verbs import Adapters
 from .memory_verbs import DeviceMemory
+from .report import EngineReport
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad, Serving
 from .group.turns import Turn
-from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .speculative.factory import make_speculator
 from .steps import InFlightStep, StepOutput, one_per_request
 from .verbs import call
@@ -73,8 +71,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-DISK_WAIT_S = 0.05  # a step with nothing to run but requests waiting for disk reads waits this long for one at most
 
 
 class DynamicInferenceEngine:
@@ -91,27 +87,17 @@ class DynamicInferenceEngine:
             model.use_batch_invariant_ops()
         if (seam := config.trainer_seam_warning()) is not None:
             logger.warning(seam)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.config = config
+        self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device = next(model.parameters()).device
         self.max_sequence_length = max_sequence_length_for(model.config, config)
-        self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device,
-                                      largest_graph(config, self.device))
+        pool = build_kv_pool(model, config, self.max_sequence_length, self.device, largest_graph(config, self.device))
         block_size = config.block_size_tokens
-        # what the KV tiers hold, told as vLLM's KV events to the coordinator and, with --kv-events-config, a socket
-        self.kv_events = KVEventLog(block_size, config.data_parallel_rank if config.data_parallel_size > 1 else None)
-        self.kv_publisher = (ZmqPublisher(config.kv_events_config, config.data_parallel_rank)
-                             if config.kv_events_config is not None and config.kv_events_config.publishes else None)
-        if self.kv_publisher is not None:
-            self.kv_events.attach(self.kv_publisher)  # its first batch: AllBlocksCleared (a start knows nothing)
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
-        self.host_tier = HostKVTier.sized(self.kv_cache, config, self.kv_events, runner.kv_copier())
-        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier,
-                                        self.kv_events)
-        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size, runner.kv_others())  # P/D
+        self.kv = kv = KVTiers(pool, config, runner.kv_copier(), runner.kv_others())
+        # the parts the scheduler, the worker and the verbs' objects are built from
+        self.kv_cache, self.allocator, self.host_tier, self.kv_events = pool, kv.allocator, kv.host_tier, kv.events
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
@@ -128,14 +114,7 @@ class DynamicInferenceEngine:
                                    scheduling_policy=config.scheduling_policy)
         # Nothing the engine holds refers back to it (a cycle kept a dropped engine and its KV pool alive until a
         # later garbage collection): the hooks close over its parts, the verbs reach settle() through a weak reference.
-        kv_transfer, scheduler = self.kv_transfer, self.scheduler
-        if config.kv_offloading_backend == "disk":  # the node's disk tier, behind the host tier (engine.kv.disk)
-            model_identity = f"{Path(model_dir).resolve() if model_dir is not None else ''}|{layout_digest(model)}"
-            self.host_tier.attach_disk(config.kv_disk_dir, int(config.kv_disk_size * 2**30), model_identity,
-                                       lambda: scheduler.epoch)
-        if self.host_tier is not None:  # the slots held for a request whose blocks were being read from disk
-            self.scheduler.forgets.append(self.host_tier.release)
-        scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
+        kv.serve(self.scheduler, model_dir, lambda: layout_digest(model))
         self.scheduler.forgets.append(self.worker.forget)
         self.expert = ExpertApi()  # the public requests added (Megatron's expert API), applied their outputs
         self.scheduler.emitted.append(self.expert.apply)
@@ -144,6 +123,8 @@ class DynamicInferenceEngine:
                                    self.speculator, self.loras, lambda: settle()())
         self.adapters = Adapters(self.loras, self.stats)
         self.serving = Serving(lora_push_dir=config.lora_push_dir)  # what the verbs leave (.verbs)
+        self.report = EngineReport(model, config, self.max_sequence_length, kv, self.scheduler, self.worker,
+                                   self.stats, self.loras)
 
     @property
     def epoch(self) -> int:
@@ -152,43 +133,13 @@ class DynamicInferenceEngine:
         return self.scheduler.epoch
 
     def load(self) -> EngineLoad:
-        """What the engine holds and has done, for the heartbeat (:class:`~.served.ServedEngine`)."""
-        scheduler = self.scheduler
-        return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting) + len(scheduler.lora_queue),
-                          kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_blocks,
-                          cached_tokens=scheduler.cached_tokens + scheduler.host_cached_tokens,
-                          computed_tokens=self.worker.computed_tokens)
+        return self.report.load()  # (:class:`~.served.ServedEngine`'s three reports: :mod:`.report`)
 
     def metrics_snapshot(self) -> dict:
-        """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
-        of the running and waiting requests, with ``enable_lora``)."""
-        snapshot = self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
-        if self.host_tier is not None:
-            self.host_tier.report(snapshot, self.scheduler.host_queried_tokens, self.scheduler.host_cached_tokens)
-        self.kv_transfer.counts.report(snapshot)
-        if self.model.expert_balancer is not None:  # --enable-eplb
-            self.model.expert_balancer.report(snapshot)
-        scheduler = self.scheduler
-        lora = lora_report(self.loras, scheduler.running, [*scheduler.waiting, *scheduler.lora_queue.sequences()])
-        if lora is not None:
-            snapshot["lora"] = lora
-        return snapshot
+        return self.report.metrics()
 
     def facts(self) -> EngineFacts:
-        """What the engine process's HELLO says about this engine (:class:`~.served.ServedEngine`)."""
-        config = self.config
-        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.allocator.num_blocks,
-                           tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
-                           max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
-                           prefix_caching=config.enable_prefix_caching,
-                           expert_parallel=config.enable_expert_parallel and config.world_size > 1,
-                           pipeline_parallel_size=config.pipeline_parallel_size,
-                           parameter_bytes=parameter_bytes(self.model),
-                           kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0,
-                           weights_layout=layout_digest(self.model), dtype=str(self.model.dtype).removeprefix("torch."),
-                           max_loras=config.max_loras if config.enable_lora else None,
-                           max_lora_rank=config.max_lora_rank if config.enable_lora else None,
-                           logprobs_mode=config.logprobs_mode)
+        return self.report.facts()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
@@ -212,11 +163,7 @@ class DynamicInferenceEngine:
         """Stop the other tensor-parallel ranks, if any, and the KV events' publisher; the engine is unusable
         afterwards."""
         self.worker.runner.shutdown()
-        if self.host_tier is not None:
-            self.host_tier.close()  # the disk tier's queued writes land first
-        if self.kv_publisher is not None:
-            self.kv_events.flush()
-            self.kv_publisher.close()
+        self.kv.close()
 
     # ------------------------------------------------------------ requests in and out
     def has_unfinished_requests(self) -> bool:
@@ -245,21 +192,21 @@ class DynamicInferenceEngine:
         which arrived first (``do_remote_prefill``, :meth:`kv_in`); parts of any other request are dropped."""
         request_id = request.request_id
         if wants_remote_decode(kv_transfer_params):
-            self.kv_transfer.send_after_prefill(request_id)
+            self.kv.transfer.send_after_prefill(request_id)
         self.expert.add(request, self.scheduler.add_request)
         if not wants_remote_prefill(kv_transfer_params):
-            self.kv_transfer.discard(request_id)
+            self.kv.transfer.discard(request_id)
         elif (sequence := self.scheduler.requests.get(request_id)) is not None:
-            self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
+            self.kv.transfer.receive(sequence, self.epoch, self.scheduler.waiting)
 
     def kv_in(self, part: KVBlocks) -> None:
         """A part of a prefilled request's KV blocks (``KV_BLOCKS``), ahead of the request, which starts on them."""
-        self.kv_transfer.arrive(part)
+        self.kv.transfer.arrive(part)
 
     def kv_out(self, engine_id: str) -> list[KVBlocks]:
         """The blocks of requests prefilled here that go on to a decode engine, copied out since the last call, as
         the ``KV_BLOCKS`` parts of registration ``engine_id``."""
-        return self.kv_transfer.take(engine_id)
+        return self.kv.transfer.take(engine_id)
 
     def abort_request(self, request_id: str) -> Ended | None:
         """Drop a request; its final record (the public request, for one added so), or None if unknown."""
@@ -276,16 +223,15 @@ class DynamicInferenceEngine:
         After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
         """
         if forget_transfers:
-            self.kv_transfer.clear()
+            self.kv.transfer.clear()
         try:
             self.settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_unfinished()
-        self.worker.clear([s.request_id for s in sequences])  # the requests leave: their device state too
-        if self.host_tier is not None:  # and the slots held for those waiting for disk reads
-            for sequence in sequences:
-                self.host_tier.release(sequence.request_id)
+        request_ids = [s.request_id for s in sequences]
+        self.worker.clear(request_ids)  # the requests leave: their device state too
+        self.kv.release(request_ids)  # and the slots held for those waiting for disk reads
         return [self.expert.ended(s) for s in sequences]
 
     # ------------------------------------------------------------------ step
@@ -308,9 +254,7 @@ class DynamicInferenceEngine:
     def idle(self) -> None:
         """A turn of the process loop with nothing to step: the disk tier's writes that landed since still reach
         the KV events (a step flushes them; an idle engine would keep them until its next request)."""
-        if self.host_tier is not None:
-            self.host_tier.announce()
-        self.kv_events.flush()
+        self.kv.idle()
 
     def _launch_and_read(self, ks: dict[str, int] | None, at_once: bool) -> list[StepOutput]:
         """One step, launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
@@ -367,8 +311,8 @@ class DynamicInferenceEngine:
         if self.memory.suspended or not scheduler.has_work():
             return None
         batch = scheduler.schedule()
-        if not batch and self._in_flight is None and self.host_tier is not None and self.host_tier.reading():
-            self.host_tier.await_disk(DISK_WAIT_S)  # only requests whose blocks are on their way: no spin
+        if not batch and self._in_flight is None:
+            self.kv.wait_for_disk()  # only requests whose blocks are on their way: no spin
         self.stats.preempted(len(batch.preempted))
         for sequence in batch.preempted:  # bound again, from its tokens, when it samples next
             self.worker.unbind(sequence.request_id)
