@@ -21,10 +21,9 @@ import httpx
 import zmq
 from filelock import FileLock
 
-from megatron_serve.fleet.argv import TOKEN_ENV
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, Message, decode, encode
-from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
+from megatron_serve.wire.security import TOKEN_ENV, FleetSecret, PeerKeys, make_secret
 
 if TYPE_CHECKING:
     import pytest

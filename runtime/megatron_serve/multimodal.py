@@ -2,9 +2,9 @@
 
 A prompt with images is token ids in which every image is a run of placeholder tokens, as many as
 the vision encoder makes embeddings for it, plus the image file as it came (PNG, JPEG, WebP ...):
-:class:`PromptImage` (``data``, and ``offset``/``length`` of its run once placed). Keeping the encoded
-file, not pixels, is what makes a request cheap to carry and to move: a photo is 5-30x smaller than
-the float pixels the processor makes of it, and only the engine that runs the request decodes it.
+:class:`~megatron_serve.wire.prompt_image.PromptImage` (``data``, and ``offset``/``length`` of its run once
+placed). Keeping the encoded file, not pixels, is what makes a request cheap to carry and to move: a photo is
+5-30x smaller than the float pixels the processor makes of it, and only the engine that runs the request decodes it.
 
 :class:`ImageProcessor` is the model's own processor from its directory (``transformers``'
 ``AutoProcessor``): the placeholder token, how many tokens an image of a given size becomes
@@ -16,12 +16,13 @@ For the prefix cache an image's placeholder tokens are keyed by the image's cont
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from .wire.prompt_image import PromptImage
 
 logger = logging.getLogger(__name__)
 
@@ -48,40 +49,6 @@ class ImageOptions:
 
 class ImageError(ValueError):
     """An image that cannot be used; the message names the problem."""
-
-
-@dataclass
-class PromptImage:
-    """One image of a prompt: the encoded file and, once placed, the run of placeholder tokens it fills."""
-
-    data: bytes
-    offset: int | None = None  # first placeholder token of its run in the prompt (None: not placed yet)
-    length: int = 0  # placeholder tokens in the run
-    _hash: int | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def placed(self) -> bool:
-        return self.offset is not None
-
-    @property
-    def content_hash(self) -> int:
-        """64-bit BLAKE2 digest of the file (stable across processes, unlike ``hash``)."""
-        if self._hash is None:
-            self._hash = int.from_bytes(hashlib.blake2b(self.data, digest_size=8).digest(), "little")
-        return self._hash
-
-    @property
-    def cache_key(self) -> int:
-        """The value that stands for each of its placeholder tokens in prefix-cache keys: negative, so it
-        never equals a token id, and a function of the content only."""
-        return -1 - (self.content_hash >> 2)
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"data": self.data}
-        if self.offset is not None:
-            wire.update(offset=self.offset, length=self.length)
-        return wire
-
 
 
 def image_bytes(image: Any) -> bytes:

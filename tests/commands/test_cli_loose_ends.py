@@ -10,8 +10,8 @@ import pytest
 
 from megatron_serve.cli import parse_args
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.fleet.argv import TOKEN_ENV
 from megatron_serve.wire.connection import Unauthorized
+from megatron_serve.wire.security import TOKEN_ENV
 
 from ..helpers import Children, free_port
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 STANDIN = textwrap.dedent("""\
     #!{python}
     import json, os, subprocess, sys, time
-    from megatron_serve.fleet.argv import TOKEN_ENV
+    from megatron_serve.wire.security import TOKEN_ENV
     from megatron_serve.fleet.lifeline import hold_lifeline
     hold_lifeline()
     args = sys.argv[3:]  # after "-m megatron_serve.cli"

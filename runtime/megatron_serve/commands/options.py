@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from ..fleet.argv import TOKEN_ENV
+from ..wire.security import TOKEN_ENV
 
 
 def add_token_option(parser: argparse.ArgumentParser, default: str = "none") -> None:

@@ -4,8 +4,7 @@
 ``megatron-serve engine`` processes; this module is what they need to build those commands, so that
 the library never imports CLI code. :func:`inference_config_to_argv` is the inverse of
 :func:`megatron_serve.commands.engine_options.inference_config_from_args` (a test checks the round
-trip). The shared token travels in the environment (:data:`TOKEN_ENV`), never on a command line
-where ``ps`` would show it. Standard library only: the coordinator and ``control`` do not import torch.
+trip). Standard library only: the coordinator and ``control`` do not import torch.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # importing config imports torch
     from ..config import InferenceConfig
 
-TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 #: The one ``kv_connector`` of ``--kv-transfer-config``: blocks travel through the coordinator's connections.
 KV_CONNECTOR = "CoordinatorConnector"
 #: vLLM's ``kv_role`` values: prefill, decode, and an engine that does both (colocated, the default).

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import InferenceConfig
-from .argv import TOKEN_ENV, disaggregated_roles, inference_config_to_argv, kv_role_argv
+from .argv import disaggregated_roles, inference_config_to_argv, kv_role_argv
 from .coordinator_watch import COORDINATOR_LIVENESS_TIMEOUT, CoordinatorWatch
 from .lifeline import Lifeline
-from ..wire.security import make_secret
+from ..wire.security import TOKEN_ENV, make_secret
 from .supervisor import Child, Gang, Supervisor, exit_cause, log_tail
 
 logger = logging.getLogger("megatron_serve.local_fleet")

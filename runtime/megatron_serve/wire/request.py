@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Protocol
 
 import msgspec
 
-from ..multimodal import PromptImage
 from .expert_routing import routing_from_wire, routing_to_wire
+from .prompt_image import PromptImage
 from .sampling_params import SamplingParams
 from .submission import WireImage
 
@@ -189,6 +189,7 @@ class DynamicInferenceRequest:
     # with ``top_n_logprobs`` the n most likely tokens at each of those positions.
     prompt_log_probs: list[float] = field(default_factory=list)
     prompt_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt token's rank (1 = most likely), 1..
     policy_epochs: list[int] = field(default_factory=list)  # weights generation that produced each token
     kv_epochs: list[int] = field(default_factory=list)  # oldest generation of the KV cache each token attended to
     lora_epochs: list[int] = field(default_factory=list)  # adapter version that produced each token (-1: none)

@@ -37,8 +37,9 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from ..fleet.argv import TOKEN_ENV
-
+#: The environment variable that carries the fleet secret to the processes a fleet starts (never their command
+#: lines, where ``ps`` would show it), and that clients and commands read it from.
+TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 #: Shorter secrets are refused: a recorded handshake lets an eavesdropper test guesses offline.
 MIN_SECRET_CHARS = 32
 _LABEL = b"megatron-serve/v1/"

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ... import __version__
 from ..config import ModelConfig
 from ..errors import UnsupportedModelError
 
@@ -32,6 +31,9 @@ if TYPE_CHECKING:
 GGUF_SUFFIX = ".gguf"  # what tells a GGUF file (vLLM tells them by the suffix too)
 #: The link to the GGUF file inside its directory (the loader's weights).
 WEIGHTS_LINK = "model.gguf"
+#: What a directory holds, in its cache key: a change to what :func:`_build` writes bumps it, so that directories made
+#: before are made again (the package's version keyed them before, and was this value).
+VIEW_FORMAT = "0.1.0"
 
 
 def cache_root() -> Path:
@@ -46,7 +48,7 @@ def gguf_view(path: str | os.PathLike, *, tokenizer: bool = True) -> Path:
     convert the file's vocabulary. A file this engine cannot serve is refused here, naming what it holds."""
     path = Path(path).expanduser().resolve()
     stat = path.stat()
-    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{tokenizer}\0{__version__}"
+    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{tokenizer}\0{VIEW_FORMAT}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:20]
     root = cache_root()
     view = root / key / path.name
