@@ -195,6 +195,7 @@ class OutputCollector:
         scores = out.prompt_scores
         if scores is not None and scores.log_probs:
             request.prompt_log_probs = list(scores.log_probs)
+            request.prompt_ranks = list(scores.ranks or ())
             if scores.top_ids is not None and scores.top_log_probs is not None:
                 request.prompt_top_n_logprobs = _top_maps(scores.top_ids, scores.top_log_probs)
         if out.routing is not None:

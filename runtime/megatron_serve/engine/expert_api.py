@@ -106,6 +106,7 @@ class ExpertApi:
             scores = out.prompt_scores
             if scores is not None:
                 request.prompt_log_probs = list(scores.log_probs)
+                request.prompt_ranks = list(scores.ranks or ())
                 if scores.top_ids is not None and scores.top_log_probs is not None:
                     request.prompt_top_n_logprobs = list(map(dict, map(zip, scores.top_ids, scores.top_log_probs)))
             if out.new_routing is not None:

@@ -36,7 +36,7 @@ def score_prompts(entries: list[tuple[Sequence, int]], logits: torch.Tensor,
     if logits.device.type == "cuda":
         targets = targets.pin_memory().to(logits.device, non_blocking=True)
     top_n = max(s.sampling_params.top_n_logprobs for s, _ in spans)
-    return spans, score_tokens(logits, targets, top_n)
+    return spans, score_tokens(logits, targets, top_n, ranked=True)
 
 
 def record_prompt_scores(spans: list[tuple[Sequence, range]], device_scores: DeviceScores) -> None:
@@ -49,8 +49,10 @@ def record_prompt_scores(spans: list[tuple[Sequence, range]], device_scores: Dev
         kept = sequence.prompt_scores
         if kept is None:
             sequence.prompt_scores = kept = PromptScores(log_probs=[], top_ids=[] if n else None,
-                                                          top_log_probs=[] if n else None)
+                                                          top_log_probs=[] if n else None, ranks=[])
         kept.log_probs += scores.log_probs[row:end]
+        if kept.ranks is not None and scores.ranks is not None:
+            kept.ranks += scores.ranks[row:end]
         if n:
             kept.top_ids += [ids[:n] for ids in scores.top_ids[row:end]]
             kept.top_log_probs += [values[:n] for values in scores.top_log_probs[row:end]]

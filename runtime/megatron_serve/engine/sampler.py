@@ -28,11 +28,13 @@ class SampleResult:
 
 @dataclass
 class TokenScores:
-    """Log probs of given tokens, and the ``top_n`` most likely tokens at each row (best first)."""
+    """Log probs of given tokens, and the ``top_n`` most likely tokens at each row (best first); ``ranks``: each
+    given token's rank in its row (1 = the most likely), when asked for."""
 
     log_probs: list[float]
     top_ids: list[list[int]]
     top_log_probs: list[list[float]]
+    ranks: list[int] | None = None
 
 
 class Readback:
@@ -66,21 +68,26 @@ class DeviceScores:
 
     readback: Readback
     top_n: int
+    ranked: bool = False
 
     def read(self) -> TokenScores:
         values = self.readback.wait()
-        return TokenScores(values[0], *(values[1:] if self.top_n else ([], [])))
+        ranks = values.pop() if self.ranked else None
+        return TokenScores(values[0], *(values[1:] if self.top_n else ([], [])), ranks)
 
 
-def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int, log_softmax: bool = True) -> DeviceScores:
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int, log_softmax: bool = True,
+                 ranked: bool = False) -> DeviceScores:
     """Log-softmax of each row of ``logits`` (or the values themselves), read at ``targets`` (one token per
-    row) and at its top ``top_n``."""
+    row) and at its top ``top_n``; ``ranked``: each target's rank too (how many tokens are at least as likely,
+    itself counted: vLLM's rank, which a prompt token outside the top ``top_n`` has as well)."""
     log_probs = torch.log_softmax(logits, dim=-1) if log_softmax else logits
     chosen = log_probs.gather(1, targets[:, None]).squeeze(1)
+    ranks = [(log_probs >= chosen[:, None]).sum(dim=-1)] if ranked else []
     if not top_n:
-        return DeviceScores(Readback([chosen]), 0)
+        return DeviceScores(Readback([chosen, *ranks]), 0, ranked)
     values, ids = torch.topk(log_probs, min(top_n, log_probs.shape[-1]))
-    return DeviceScores(Readback([chosen, ids, values]), top_n)
+    return DeviceScores(Readback([chosen, ids, values, *ranks]), top_n, ranked)
 
 
 @dataclass

@@ -276,7 +276,8 @@ class PromptLogprob(BaseModel):
     """vLLM's entry of ``prompt_logprobs``: one token's log prob at one prompt position."""
 
     logprob: float
-    rank: int | None = Field(None, description="1 = the most likely token at that position; null when unknown")
+    rank: int | None = Field(None, description="1 = the most likely token at that position (every prompt token "
+                                               "has it, in the top n or not, as vLLM's)")
     decoded_token: str | None = None
 
 

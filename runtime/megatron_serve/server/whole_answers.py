@@ -135,7 +135,8 @@ async def in_pieces(workers: Workers, shape: AnswerShape, jobs: list[EngineJob],
 def prompt_logprobs(tokenizer: Tokenizer, result: DynamicInferenceRequest, n: int) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: None for the first token, then per position the prompt token and the top ``n``.
 
-    Ranks are known for tokens among the position's top-n alternatives (1 = most likely), else null.
+    Every prompt token has its rank (1 = most likely; the engine counts the tokens more likely than it, as vLLM's),
+    in the top n or not; an alternative's is its place among them.
     """
     return [None, *(_position(tokenizer, result, position, n) for position in range(len(result.prompt_log_probs)))]
 
@@ -158,7 +159,8 @@ def _position(tokenizer: Tokenizer, result: DynamicInferenceRequest, position: i
     token = result.prompt_tokens[position + 1]
     top = result.prompt_top_n_logprobs[position] if position < len(result.prompt_top_n_logprobs) else {}
     ranked = sorted(top.items(), key=lambda item: -item[1])
-    rank = next((r + 1 for r, (t, _) in enumerate(ranked) if t == token), None)
+    rank = (result.prompt_ranks[position] if position < len(result.prompt_ranks)
+            else next((r + 1 for r, (t, _) in enumerate(ranked) if t == token), None))
     entry = {str(token): PromptLogprob(logprob=result.prompt_log_probs[position], rank=rank,
                                        decoded_token=tokenizer.token_text(token))}
     for r, (t, value) in enumerate(ranked[:n]):

@@ -23,11 +23,13 @@ class RoutingRows(Body):
 
 class PromptScores(Body):
     """``return_prompt_log_probs``: the log probs of prompt tokens 1.. and, with ``top_n_logprobs``, the
-    n most likely tokens at each of those positions, as parallel lists."""
+    n most likely tokens at each of those positions, as parallel lists; ``ranks``: each prompt token's rank at its
+    position (1 = the most likely; vLLM reports it for every prompt token, in the top n or not)."""
 
     log_probs: list[float]
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
+    ranks: list[int] | None = None
 
 
 class TokenDelta(Body):

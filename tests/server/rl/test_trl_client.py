@@ -2,7 +2,8 @@
 
 The client is TRL's, unchanged: only its import-time check that vLLM is installed is answered (vLLM's engine does
 not install here, and the client only speaks HTTP to it). The app runs over ``FakeBackend`` (answer shapes, no
-model); the client is synchronous (``requests``), so each call runs on a thread beside the served app.
+model) or a real engine in direct mode (``conftest.surface``: log probs and ranks); the client is synchronous
+(``requests``), so each call runs on a thread beside the served app.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import requests
 from megatron_serve.http_options import HTTPOptions
 
 from ...helpers import until
+from ..conftest import surface
 from .control_app import API, controlled
 from .tokens_app import events, fake_http
 
@@ -97,3 +99,26 @@ async def test_get_server_info_has_the_logprobs_mode_grpo_trainer_reads(tokenize
             return (await call(client.get_server_info))["model_config"]["logprobs_mode"] == "processed_logprobs"
 
         await until(mode, 10, "the engines' logprobs_mode in /server_info")
+
+
+async def test_get_sequence_logprobs_ranks_every_prompt_token_as_vllm(tiny_model, tokenizer, vllm_client):
+    """``get_sequence_logprobs`` sorts each position's entries by ``rank``, the actual token's among them; vLLM
+    ranks every prompt token, in the top k or not (a null rank stopped TRL's sort). The actual token's rank is the
+    count of tokens at least as likely, checked against the top k's log probs."""
+    async with surface(tiny_model, tokenizer) as (_, http):
+        client = await call(vllm_client, base_url=str(http.base_url))
+        sequences = [[5, 17, 300, 42, 9, 250, 77, 3], [8, 8, 120, 64]]
+        out = await call(client.get_sequence_logprobs, sequences, [2, 1], top_logprobs=2)
+        assert [len(rows) for rows in out["logprobs"]] == [6, 3]
+        body = {"prompt": sequences[0], "max_tokens": 1, "prompt_logprobs": 2}
+        positions = (await http.post("/v1/completions", json=body)).json()["choices"][0]["prompt_logprobs"]
+        outside = 0
+        for position, token in zip(positions[1:], sequences[0][1:]):
+            actual = position[str(token)]
+            best = sorted(value["logprob"] for key, value in position.items() if key != str(token) or
+                          value["rank"] <= 2)[::-1]
+            assert isinstance(actual["rank"], int) and actual["rank"] >= 1
+            if actual["rank"] > 2:
+                outside += 1
+                assert actual["logprob"] < min(best)  # below the top 2: ranked past them
+        assert outside, "no prompt token fell outside the top 2: the test shows nothing"
