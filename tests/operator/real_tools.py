@@ -1,0 +1,198 @@
+"""What the operator's tests on a real cluster drive it with: ``kubectl`` and ``helm`` as processes (the real
+clients, as a user runs them), the operator as a process of its own that holds a ServiceAccount's token, and
+polling.
+
+The cluster comes from :mod:`tests.operator.real_cluster` (one per run; a namespace per test): :func:`clients`
+gives a test's ``kubectl`` and ``helm`` in its namespace, so that a test reads like the commands a user would type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "megatron-operator"
+CRD_PATH = ROOT / "manifests" / "crds" / "serving.megatron.dev_megatroninferences.yaml"
+EXAMPLES = ROOT / "manifests" / "examples"
+VENDORED = ROOT / "tests" / "operator" / "vendored_crds"
+
+#: Our resource, fully qualified: a short name or plural alone may resolve to another group's kind.
+MI = "megatroninferences.serving.megatron.dev"
+
+#: The operator's key for coordinator tokens in these tests (the chart's Secret holds a random one).
+TOKEN_KEY = "real-cluster-tests-key"
+
+
+def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
+
+
+class Kubectl:
+    """``kubectl`` against one cluster, in one namespace (``-n``), as the real client."""
+
+    def __init__(self, kubeconfig: pathlib.Path, namespace: str, binary: str):
+        self.kubeconfig = pathlib.Path(kubeconfig)
+        self.namespace = namespace
+        self.binary = binary
+
+    def run(self, *args: str, input: str | None = None, check: bool = True,
+            kubeconfig: pathlib.Path | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [self.binary, f"--kubeconfig={kubeconfig or self.kubeconfig}", "-n", self.namespace, *args]
+        done = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=120)
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} -> {done.returncode}: {done.stderr.strip() or done.stdout}")
+        return done
+
+    def apply(self, objects: list[dict[str, Any]] | str, *flags: str, check: bool = True) -> \
+            subprocess.CompletedProcess[str]:
+        text = objects if isinstance(objects, str) else yaml.safe_dump_all(objects, sort_keys=False)
+        return self.run("apply", "-f", "-", *flags, input=text, check=check)
+
+    def get(self, kind: str, name: str | None = None, *selector: str) -> Any:
+        """The object (``None`` when it does not exist), or the list's items without a name."""
+        args = ["get", kind, *([name] if name else []), *selector, "-o", "json"]
+        done = self.run(*args, check=False)
+        if done.returncode != 0:
+            if "NotFound" in done.stderr:
+                return None
+            raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        data = json.loads(done.stdout)
+        return data if name else data.get("items", [])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Events of the object named ``name``, oldest first."""
+        items = self.get("events", None, f"--field-selector=involvedObject.name={name}")
+        return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+
+
+def clients(namespace: Any) -> tuple["Kubectl", "Helm"]:
+    """``kubectl`` and ``helm`` of the run's cluster in a test's namespace (a ``real_cluster.Namespace``), with
+    the CRDs the tests need installed (:func:`install_crds`)."""
+    cluster = namespace.cluster
+    kubectl = Kubectl(cluster.kubeconfig, namespace.name, cluster.binary("kubectl"))
+    install_crds(kubectl)
+    return kubectl, Helm(cluster.kubeconfig, namespace.name, cluster.binary("helm"))
+
+
+#: The clusters (kubeconfig paths) this process installed the CRDs into: once is enough for a run.
+_INSTALLED: set[str] = set()
+
+
+def install_crds(kubectl: "Kubectl") -> None:
+    """Ours and the third-party kinds the examples use (not LeaderWorkerSet's: the cluster serves it where its
+    controller runs, and only there), server-side as large CRDs are applied; once per cluster and process."""
+    if str(kubectl.kubeconfig) in _INSTALLED:
+        return
+    paths = [CRD_PATH, *sorted(VENDORED.glob("*.yaml"))]
+    for path in paths:
+        kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    for path in paths:
+        (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        kubectl.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{doc['metadata']['name']}")
+    _INSTALLED.add(str(kubectl.kubeconfig))
+
+
+class Helm:
+    """``helm`` against one cluster, in one namespace."""
+
+    def __init__(self, kubeconfig: pathlib.Path, namespace: str, binary: str):
+        self.kubeconfig = pathlib.Path(kubeconfig)
+        self.namespace = namespace
+        self.binary = binary
+        self.home = self.kubeconfig.parent / f"helm-home-{namespace}"  # helm's caches, not the user's
+
+    def run(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "HELM_CACHE_HOME": str(self.home / "cache"), "HELM_CONFIG_HOME": str(self.home / "config"),
+               "HELM_DATA_HOME": str(self.home / "data")}
+        cmd = [self.binary, f"--kubeconfig={self.kubeconfig}", "-n", self.namespace, *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if check and done.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} -> {done.returncode}: {done.stderr.strip() or done.stdout}")
+        return done
+
+
+def service_account_kubeconfig(kubectl: Kubectl, account: str, path: pathlib.Path) -> pathlib.Path:
+    """A kubeconfig that authenticates as ServiceAccount ``account`` of the namespace (a TokenRequest token, as the
+    kubelet mounts into the operator's pod), with the admin kubeconfig's server and CA."""
+    token = kubectl.run("create", "token", account, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    cluster = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+    config = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster], "current-context": "operator",
+              "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "operator",
+                                                             "namespace": kubectl.namespace}}],
+              "users": [{"name": "operator", "user": {"token": token}}]}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class OperatorProcess:
+    """``python -m megatron_operator operator`` (kopf) as a process of its own, serving one namespace with the
+    credentials of ``kubeconfig`` (a ServiceAccount's), its log in a file the test can read."""
+
+    def __init__(self, kubeconfig: pathlib.Path, namespace: str, log: pathlib.Path, *, scanning: bool = True,
+                 env: dict[str, str] | None = None):
+        self.kubeconfig, self.namespace, self.log_path = kubeconfig, namespace, log
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MEGATRON_OPERATOR_TOKEN_KEY": TOKEN_KEY,
+                    "MEGATRON_OPERATOR_RECONCILE_INTERVAL": "1", "MEGATRON_OPERATOR_CONNECT_TIMEOUT": "1",
+                    "MEGATRON_OPERATOR_COMMAND_TIMEOUT": "10",
+                    "MEGATRON_OPERATOR_SCANNING": "true" if scanning else "false", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "OperatorProcess":
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "megatron_operator", "operator", "--standalone", "--verbose",
+                 f"--namespace={self.namespace}"], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM (kopf stops its handlers) or SIGKILL (a crash mid-reconcile); waits for the exit."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def __enter__(self) -> "OperatorProcess":
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def example(name: str, namespace: str) -> dict[str, Any]:
+    """``manifests/examples/<name>`` in ``namespace``."""
+    (doc,) = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+    doc["metadata"]["namespace"] = namespace
+    return doc
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    """The status condition ``kind`` of ``obj`` ({} when absent)."""
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
