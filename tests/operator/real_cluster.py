@@ -11,7 +11,7 @@ Fixtures (import them into a conftest or test module: ``from .real_cluster impor
        project's fake GPU nodes or a component restart skip there, saying so.
     3. Otherwise the fixture starts one with ``tools/kube-cluster up`` in a folder under the temporary directory,
        shared by the run's pytest-xdist workers (a file lock and a count of users: the first starts it, the last
-       stops it), and stops it at the end.
+       stops it and removes its folder).
 
     ``KUBECONFIG`` alone is not read: the emulator suites point it at their own emulator while they import.
 
@@ -158,6 +158,7 @@ def kube() -> Iterator[KubeCluster]:
         with lock:
             if _users(shared, -1) == 0:
                 _tool("down", shared)
+                shutil.rmtree(shared / "cluster")  # the fixture's own folder (etcd's data, logs): nothing to keep
 
 
 def _namespace_name(test_name: str) -> str:

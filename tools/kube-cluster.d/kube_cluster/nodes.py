@@ -1,9 +1,10 @@
-"""The fake nodes kwok plays: GPU nodes in two zones and one CPU-only node.
+"""The fake nodes kwok plays: four GPU nodes in two zones and one CPU-only node.
 
 The labels are the ones real GPU clusters carry and schedulers or operators select on: the
 NVIDIA GPU feature discovery's `nvidia.com/gpu.product`/`.count`/`.memory`, the well-known
 topology labels, and `type=kwok` with kwok's annotation, which is how kwok picks the nodes it
-manages. Capacity is set in the Node object itself (no device plugin runs): 8 GPUs a node.
+manages. Capacity is set in the Node object itself (no device plugin runs): 8 GPUs a node, 32 in
+all, so that the run's xdist workers can each hold a multi-node gang at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ NODES = (
     FakeNode("gpu-node-0", "zone-a", GPUS_PER_NODE),
     FakeNode("gpu-node-1", "zone-a", GPUS_PER_NODE),
     FakeNode("gpu-node-2", "zone-b", GPUS_PER_NODE),
+    FakeNode("gpu-node-3", "zone-b", GPUS_PER_NODE),
     FakeNode("cpu-node-0", "zone-a", 0),
 )
 
