@@ -12,10 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.kv.events import KVEventLog
-from megatron_serve.engine.served import EngineFacts, EngineLoad
-from megatron_serve.engine.served import Serving
+from megatron_serve.engine.served import EngineFacts, EngineLoad, Serving, Turn
 from megatron_serve.engine.verbs import call
-from megatron_serve.engine.group.turns import Turn
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.kv_blocks import wants_remote_prefill
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_serve.engine.group.regroup import Progress, Resume, regroup, resume_from
-from megatron_serve.engine.group.turns import Turn
+from megatron_serve.engine.served import Turn
 from megatron_serve.errors import EngineGroupLost
 
 from ..helpers import free_port

@@ -58,8 +58,7 @@ from .report import EngineReport
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
-from .served import EngineFacts, EngineLoad, Serving
-from .group.turns import Turn
+from .served import EngineFacts, EngineLoad, Serving, Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .speculative.factory import make_speculator
 from .steps import InFlightStep, StepOutput, one_per_request

@@ -21,13 +21,12 @@ import torch
 
 from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
-from ..model.experts.moe import stack_routing
+from ..model.experts.moe import empty_moe_pass, stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .kv.copier import Copier, copier_for
 from .kv.transfer import NoOtherRanks, OtherRanks
-from .group.data_parallel import empty_moe_pass
-from .group.turns import Turn
 from .micro_batches import micro_batches
+from .served import Turn
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
 

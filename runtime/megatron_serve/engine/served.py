@@ -11,10 +11,9 @@ disaggregation through two, ``kv_in`` and ``kv_out``, with a request's ``kv_tran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from .group.turns import Turn
     import numpy as np
 
     from ..weights.peer_pull import PeerWeights
@@ -24,6 +23,15 @@ if TYPE_CHECKING:
     from ..wire.lifecycle import Step
     from ..wire.deltas import PromptScores
     from ..wire.request import EngineRequest, FinalRecord
+
+
+class Turn(NamedTuple):
+    """What one turn of the step loop does: step, act on the verb held, take a planned change. A lone engine steps
+    when it has work; data-parallel attention ranks agree on it together (:mod:`.group.data_parallel`)."""
+
+    step: bool  # some rank has work: every rank steps
+    verb: bool  # every rank holds a verb that joins them all (:class:`.group.turns.HeldVerb`): every rank acts on it
+    change: bool = False  # the leader saw a planned change asked for (.group.membership): every rank takes it now
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,14 @@ scheduled batch and gets back a launched step (:meth:`ModelWorker.launch`), then
 device-memory verbs reach the runner through the worker, so that a runner swapped in (a test's graphs) is the one
 they release and capture.
 
-Speculation plugs in as the worker's verify hook: a step with draft rows is verified on the device by the
-speculator (:meth:`~.speculative.decoder.Speculator.launch_verify`) instead of sampled, and read by it; the
-rejected drafts are rolled back by the scheduler when the step is read. A worker without a speculator never
-looks at drafts.
+Speculation plugs in as the worker's verify hook (:class:`VerifyHook`, which the speculator is): a step with draft
+rows is verified on the device by the hook instead of sampled, and read by it; the rejected drafts are rolled back
+by the scheduler when the step is read. A worker without a hook never looks at drafts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -28,7 +27,7 @@ from .sampler import Readback, Sampler
 from .sampling_state import SamplingState
 from .step_plan import write_plan
 from .drafts import mark_in_flight
-from .steps import Emitted, InFlightStep
+from .steps import Emitted, InFlightStep, Verification
 from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
     from .scheduler import ScheduledBatch
     from .sequence import Sequence
-    from .speculative.decoder import Speculator
 
 
 def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Vocabulary) -> EncoderCache | None:
@@ -53,13 +51,29 @@ def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Vocabulary) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
+class VerifyHook(Protocol):
+    """What the worker asks of speculative decoding: a step with draft rows verified on the device (at once, or
+    launched and read one step later) instead of sampled, and a request's drafting state dropped when it leaves."""
+
+    def verify(self, sampling: list[Sequence], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
+               state: SamplingState, sampler: Sampler, masks: torch.Tensor | None = None) -> list[Emitted]: ...
+
+    def launch_verify(self, sampling: list[Sequence], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
+                      state: SamplingState, sampler: Sampler, masks: torch.Tensor | None = None,
+                      shift: torch.Tensor | None = None) -> Verification: ...
+
+    def read(self, verification: Verification, sampling: list[Sequence]) -> list[Emitted]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class ModelWorker:
     """Launches, samples and reads steps over one model replica's runner and KV pool. ``parity``: the engine's
     log-prob checks (their prompt rows are scored as their originals were processed); ``speculator``: the verify
     hook, with speculation on. Nothing it holds refers back to the engine."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Vocabulary, config: InferenceConfig, runner: ModelRunner,
-                 kv_cache: KVCachePool, parity: ParityChecker, speculator: Speculator | None):
+                 kv_cache: KVCachePool, parity: ParityChecker, speculator: VerifyHook | None):
         self.config = config
         self.kv_cache = kv_cache
         self.runner = runner

@@ -6,7 +6,7 @@ attention runs on their own ``tensor_parallel_size`` ranks and whose MoE layers'
 The MoE layers' all-to-alls span every data-parallel rank, so the engines step together, as vLLM's and SGLang's
 data-parallel ranks do: before each step the leaders agree whether any of them has work (:func:`agree_turn`, one
 all-reduce of two flags), and while one has, every engine steps; a step in which an engine ran no forward (nothing to
-schedule, or only a step to read back) ends with an empty MoE pass on its ranks (:func:`empty_moe_pass`): each MoE
+schedule, or only a step to read back) ends with an empty MoE pass on its ranks (:func:`~megatron_serve.model.experts.moe.empty_moe_pass`): each MoE
 layer entered with no tokens, so the others' tokens reach its experts and come back.
 
 Each forward and each empty pass starts with one more all-reduce among the leaders: the largest token count of the
@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...model.experts.moe import SparseMoeBlock
-from .turns import Turn
+from ..served import Turn
 
 
 def agree_turn(leaders: object, busy: bool, holding: bool, change: bool = False) -> Turn:
@@ -47,13 +46,3 @@ def agree_tokens(leaders: object, tokens: int) -> int:
     largest = torch.tensor([tokens], dtype=torch.int64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=leaders)
     return int(largest.item())
-
-
-@torch.inference_mode()
-def empty_moe_pass(model: torch.nn.Module) -> None:
-    """Every MoE layer of ``model`` on no tokens, in layer order: the collectives a forward of this rank issues,
-    with nothing of its own to send (attention and dense layers need no peer, so they are skipped)."""
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            block(torch.empty((0, block.gate.weight.shape[1]), dtype=block.gate.weight.dtype,
-                              device=block.gate.weight.device))

@@ -22,6 +22,7 @@ from ..kv.copier import Copier
 from ..kv.park import ParkOrder
 from ..kv.transfer import OtherRanks
 from ..runner import ModelRunner, StepResult
+from ..served import Turn
 from ..step_plan import StepBuffers, StepPlan
 from .channel import PlanChannel, broadcast_previous_tokens
 from .data_parallel import agree_tokens, agree_turn
@@ -30,7 +31,6 @@ from .kv_tier import GroupCopier
 from .placement import release_groups
 from .regroup import Progress, Resume
 from .survival import GroupSurvival
-from .turns import Turn
 
 T = TypeVar("T")
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from ...errors import EngineGroupLost
-from .turns import Turn
+from ..served import Turn
 
 #: How often a survivor polls the store while it waits for the others to register.
 POLL_S = 0.01

@@ -1,21 +1,14 @@
-"""What the data-parallel attention ranks agree on at each turn of their step loops (:mod:`.data_parallel`), in
-a module without torch: the engine process and the engines that stand in for one in tests share these types."""
+"""A verb the data-parallel attention ranks hold until every one holds its copy (:mod:`.data_parallel`), in a module
+without torch: the engine process and the engines that stand in for one in tests share it. What the ranks agree on
+at each turn is :class:`~megatron_serve.engine.served.Turn`."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from ...wire.controls import Refit
-
-
-class Turn(NamedTuple):
-    """What the data-parallel ranks agreed for one turn of their step loops."""
-
-    step: bool  # some rank has work: every rank steps
-    verb: bool  # every rank holds a verb that joins them all (:class:`HeldVerb`): every rank acts on it now
-    change: bool = False  # the leader saw a planned change asked for (.membership): every rank takes it now
 
 
 @dataclass(frozen=True)

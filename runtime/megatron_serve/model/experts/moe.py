@@ -285,3 +285,13 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + self._shared(hidden[dispatcher.local])
         return dispatcher.gather(out)
+
+
+@torch.inference_mode()
+def empty_moe_pass(model: torch.nn.Module) -> None:
+    """Every MoE layer of ``model`` on no tokens, in layer order: the collectives a forward of this rank issues,
+    with nothing of its own to send (attention and dense layers need no peer, so they are skipped)."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block(torch.empty((0, block.gate.weight.shape[1]), dtype=block.gate.weight.dtype,
+                              device=block.gate.weight.device))
