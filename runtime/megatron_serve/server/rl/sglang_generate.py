@@ -61,6 +61,8 @@ class SglangSamplingParams(SglangCopiedFields):  # type: ignore[misc,valid-type]
     regex: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = Field(None, description="SGLang's parameters of a custom logit processor: "
+                                                                   "none here; empty or null only")
 
 
 class SglangGenerateRequest(BaseModel):
@@ -222,8 +224,14 @@ def fields(ctx: ServerContext, body: SglangGenerateRequest) -> dict[str, Any]:
         raise bad_request("sampling_params.spaces_between_special_tokens: special tokens' text is joined without "
                           "spaces here; send false", param="sampling_params.spaces_between_special_tokens",
                           code="unsupported_parameter")
+    if params.custom_params:
+        name = next(iter(params.custom_params))
+        what = ("the ids the top-p filter kept at each step (slime's --rollout-top-p replay): this engine does not "
+                "report them" if name == "return_top_p_token_ids" else "a custom logit processor's parameter")
+        raise bad_request(f"sampling_params.custom_params.{name}: {what}; send top_p 1.0, or no custom_params",
+                          param=f"sampling_params.custom_params.{name}", code="unsupported_parameter")
     given = {_RENAMES.get(name, name): value for name, value in
-             params.model_dump(exclude_none=True, exclude={"spaces_between_special_tokens"}).items()}
+             params.model_dump(exclude_none=True, exclude={"spaces_between_special_tokens", "custom_params"}).items()}
     given.setdefault("max_tokens", _default_max_new_tokens(ctx, body))
     top = body.top_logprobs_num or 0
     scored = body.logprob_start_len is not None and body.logprob_start_len >= 0
