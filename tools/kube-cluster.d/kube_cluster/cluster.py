@@ -170,6 +170,8 @@ def _write_env(cache: Path, folder: Path) -> None:
 
 def up(folder: Path, with_lws: bool = True) -> None:
     """Build what is missing, start every component, return once the cluster is usable."""
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"kube-cluster: {folder} is not a directory")
     cache = components.cache_root()
     started = time.monotonic()
     built = components.build_all(cache, None if with_lws else
