@@ -94,6 +94,12 @@ def _apiserver(cache: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         f"--service-account-key-file={p / 'sa.pub'}",
         f"--service-account-signing-key-file={p / 'sa.key'}",
         "--profiling=false",
+        # The aggregation layer's front proxy, so that controllers' delegated authentication finds its CA.
+        f"--requestheader-client-ca-file={p / 'ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
+        "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
+        f"--proxy-client-key-file={p / 'front-proxy-client.key'}",
     ]
 
 

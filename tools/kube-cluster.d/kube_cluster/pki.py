@@ -43,6 +43,8 @@ IDENTITIES = (
     Identity("kwok", "kwok-controller", ("system:masters",)),
     Identity("lws", "lws-controller-manager", ("system:masters",)),
     Identity("apiserver-etcd-client", "kube-apiserver-etcd-client"),
+    # The API server's identity toward aggregated API servers (the front proxy), as kubeadm's.
+    Identity("front-proxy-client", "front-proxy-client"),
 )
 
 
