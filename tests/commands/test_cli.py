@@ -188,3 +188,14 @@ def test_an_engine_names_what_data_parallel_attention_needs(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"--data-parallel-rank must be in \[0, 2\), got 2"):
         engine.run(parse_args(base + ["--enable-expert-parallel", "--tensor-parallel", "2"]))
     assert parse_args(["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]).data_parallel_size == 1
+
+
+def test_vllms_shutdown_timeout_is_the_drain_timeout_of_every_process_that_drains_and_negative_is_refused():
+    """vLLM >= 0.18's ``--shutdown-timeout S`` (what vLLM users and llm-d/KServe charts set) is our ``--drain-timeout``."""
+    for name in ("serve", "run", "server", "engine"):
+        assert parse_args([name, *REQUIRED[name], "--shutdown-timeout", "45"]).drain_timeout == 45.0, name
+        assert parse_args([name, *REQUIRED[name]]).drain_timeout == 30.0, name  # ours, not vLLM's 0 (abort at once)
+    assert parse_args(["control", "stop", "--shutdown-timeout", "9"]).drain_timeout == 9.0
+    engine_args = parse_args(["engine", *REQUIRED["engine"], "--shutdown-timeout", "-1"])
+    with pytest.raises(ValueError, match=r"--drain-timeout \(vLLM's --shutdown-timeout\) must be >= 0, got -1"):
+        importlib.import_module(COMMANDS["engine"][0]).run(engine_args)

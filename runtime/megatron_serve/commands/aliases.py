@@ -40,6 +40,9 @@ VLLM_ALIASES: tuple[Alias, ...] = (
     Alias("--max-num-batched-tokens", "--max-batch-tokens"),
     Alias("--enforce-eager", "--cuda-graphs", negates=True),
     Alias("--enable-prefix-caching", "--prefix-caching"),  # also gives --no-enable-prefix-caching
+    # vLLM >= 0.18: how long SIGTERM lets in-flight requests finish. vLLM's default is 0 (abort them at once);
+    # ours stays 30 s, and what runs past it is handed back and continued elsewhere, not aborted.
+    Alias("--shutdown-timeout", "--drain-timeout"),
 )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from ..wire.lifecycle import FleetState, Verb, walk
 from ..wire.verb_calls import CLI, VERB_CALLS, Arg, ArgumentError, VerbCall, verb_call
 from . import local_runs
+from .aliases import add_option
 from .inputs import coordinator_address
 from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, read_token
 
@@ -69,9 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if arg.kind is bool:
             parser.add_argument(arg.flag, dest=name, action="store_true", help=text)
         else:  # absent: None, so that an option given to a verb that does not take it is refused by name
-            parser.add_argument(arg.flag, dest=name, type=arg.kind, default=None,
-                                choices=list(arg.choices) if arg.choices is not None else None,
-                                metavar=arg.metavar, help=text)
+            add_option(parser, arg.flag, dest=name, type=arg.kind, default=None,  # stop --shutdown-timeout too
+                       choices=list(arg.choices) if arg.choices is not None else None, metavar=arg.metavar, help=text)
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",

@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's: where the data-parallel ranks meet, data-parallel rank 0's host (MASTER_ADDR)")
     parser.add_argument("--data-parallel-rpc-port", default=None, metavar="PORT",
                         help="vLLM's: the port there (MASTER_PORT)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                        help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
+    add_option(parser, "--drain-timeout", type=float, default=30.0, metavar="S",
+               help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back (vLLM's "
+                    "--shutdown-timeout, whose default, 0, aborts them at once)")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
                         help="reconnect when the coordinator has been silent this long")
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     address = coordinator_address(args.coordinator)
     if args.group is not None and args.group < 0:
         raise ValueError(f"--group must be >= 0, got {args.group}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout (vLLM's --shutdown-timeout) must be >= 0, got {args.drain_timeout}")
     config = layout_config(args)
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
     if kv_role != "kv_both" and config.data_parallel_size > 1:

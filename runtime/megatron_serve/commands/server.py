@@ -22,6 +22,7 @@ from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, FIRST_REQUE
                       MAIN_BACKLOG, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
 from . import api_servers, local_runs
+from .aliases import add_option
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import (add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging,
@@ -77,9 +78,10 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--max-connections", type=int, default=None, metavar="N",
                        help="open connections at most; past it a new one gets 503 and is closed (default: the "
                             "open-file limit, raised to its maximum, less a reserve)")
-    group.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                       help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for "
-                            "this long; then the rest end with an error (a second signal stops at once)")
+    add_option(group, "--drain-timeout", type=float, default=30.0, metavar="S",
+               help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for this "
+                    "long; then the rest end with an error (a second signal stops at once); vLLM's "
+                    "--shutdown-timeout (whose default, 0, aborts them at once)")
     group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
                        help="a lost coordinator has this long to come back before the requests in flight end with "
                             "an error (503, or an error event in a stream); back in time, they go on")
@@ -214,7 +216,7 @@ def check_server_options(args: argparse.Namespace) -> None:
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.drain_timeout >= 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        raise ValueError(f"--drain-timeout (vLLM's --shutdown-timeout) must be >= 0, got {args.drain_timeout}")
     if not args.coordinator_grace >= 0:
         raise ValueError(f"--coordinator-grace must be >= 0, got {args.coordinator_grace}")
     if args.health_port is not None:
