@@ -20,13 +20,19 @@ def llm(tiny_llama):
     return MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
 
 
-def test_neutral_controls_leave_greedy_output_unchanged(llm):
+def test_neutral_controls_leave_greedy_output_unchanged_beside_rows_that_use_them(llm):
+    """Rows whose controls are neutral share each step with rows whose controls are not, so the batched controls
+    run on every step; the neutral rows' tokens and log probs are the plain run's, bit for bit. The control: the
+    other rows' tokens differ from their plain run's (the controls did run)."""
     plain = llm.generate(PROMPTS, SamplingParams(**GREEDY, return_log_probs=True))
-    neutral = llm.generate(PROMPTS, SamplingParams(**GREEDY, return_log_probs=True, presence_penalty=0.0,
-                                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={},
-                                                   min_p=0.0, min_tokens=0, stop_token_ids=[]))
-    assert [o.generated_tokens for o in neutral] == [o.generated_tokens for o in plain]
-    assert [o.generated_log_probs for o in neutral] == [o.generated_log_probs for o in plain]
+    neutral = SamplingParams(**GREEDY, return_log_probs=True, presence_penalty=0.0, frequency_penalty=0.0,
+                             repetition_penalty=1.0, logit_bias={}, min_p=0.0, min_tokens=0, stop_token_ids=[])
+    used = SamplingParams(**GREEDY, return_log_probs=True, presence_penalty=1.5, frequency_penalty=0.5,
+                          repetition_penalty=1.3, min_p=0.05)
+    results = run_requests(llm.engine, [(p, neutral if i % 2 == 0 else used) for i, p in enumerate(PROMPTS)])
+    assert [r.generated_tokens for r in results[0::2]] == [o.generated_tokens for o in plain[0::2]]
+    assert [r.generated_log_probs for r in results[0::2]] == [o.generated_log_probs for o in plain[0::2]]
+    assert [r.generated_tokens for r in results[1::2]] != [o.generated_tokens for o in plain[1::2]]
 
 
 def test_logit_bias_makes_every_token_the_biased_one_in_a_mixed_batch(llm):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import pytest
@@ -40,25 +41,45 @@ PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool 
 ASK = [{"role": "user", "content": "What is the weather like?"}]
 
 
-async def test_json_schema_output_validates_for_twenty_seeds(tiny_model, tokenizer):
+def is_person(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), PERSON)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+async def test_structured_outputs_hold_for_many_seeds_and_free_text_does_not(tiny_model, tokenizer):
+    """Each constraint (a JSON schema, a choice, a regex) holds for every seed; the control, the same requests
+    without it, holds for none, so the constraint is what made the output fit."""
     async with surface(tiny_model, tokenizer) as (client, _):
-        answers = await asyncio.gather(*(client.chat.completions.create(
-            model=MODEL, messages=ASK, seed=seed, temperature=1.0, max_tokens=150,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-            for seed in range(20)))
-        texts = set()
-        for answer in answers:
-            choice = answer.choices[0]
-            assert choice.finish_reason == "stop"
-            jsonschema.validate(json.loads(choice.message.content), PERSON)
-            texts.add(choice.message.content)
-        assert len(texts) > 10
-        choice = (await client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0,
-                                                  extra_body={"guided_choice": ["alpha", "beta", "gamma ray"]}))
-        assert choice.choices[0].text in ("alpha", "beta", "gamma ray")
-        regex = await client.completions.create(model=MODEL, prompt="Code:", max_tokens=10, temperature=1.0, seed=1,
-                                                extra_body={"guided_regex": r"[A-Z]{3}-\d{2}"})
-        assert len(regex.choices[0].text) == 6 and regex.choices[0].text[3] == "-"
+        def chat(seed: int, **extra):
+            return client.chat.completions.create(model=MODEL, messages=ASK, seed=seed, temperature=1.0,
+                                                  max_tokens=150, **extra)
+
+        def complete(prompt: str, seed: int, extra_body: dict | None = None):
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=seed,
+                                             extra_body=extra_body)
+
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        answers = await asyncio.gather(*(chat(seed, response_format=schema) for seed in range(20)))
+        assert all(answer.choices[0].finish_reason == "stop" for answer in answers)
+        assert all(is_person(answer.choices[0].message.content) for answer in answers)
+        assert len({answer.choices[0].message.content for answer in answers}) > 10
+        free = await asyncio.gather(*(chat(seed) for seed in range(5)))
+        assert not any(is_person(answer.choices[0].message.content) for answer in free)
+
+        choices = ("alpha", "beta", "gamma ray")
+        picked = await asyncio.gather(*(complete("Pick:", seed, {"guided_choice": list(choices)}) for seed in range(5)))
+        assert all(answer.choices[0].text in choices for answer in picked)
+        free = await asyncio.gather(*(complete("Pick:", seed) for seed in range(5)))
+        assert not any(answer.choices[0].text in choices for answer in free)
+
+        code = r"[A-Z]{3}-\d{2}"
+        coded = await asyncio.gather(*(complete("Code:", seed, {"guided_regex": code}) for seed in range(5)))
+        assert all(re.fullmatch(code, answer.choices[0].text) for answer in coded), [a.choices[0].text for a in coded]
+        free = await asyncio.gather(*(complete("Code:", seed) for seed in range(5)))
+        assert not any(re.fullmatch(code, answer.choices[0].text) for answer in free)
 
 
 def check_calls(calls) -> None:

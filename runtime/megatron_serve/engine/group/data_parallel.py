@@ -6,8 +6,9 @@ attention runs on their own ``tensor_parallel_size`` ranks and whose MoE layers'
 The MoE layers' all-to-alls span every data-parallel rank, so the engines step together, as vLLM's and SGLang's
 data-parallel ranks do: before each step the leaders agree whether any of them has work (:func:`agree_turn`, one
 all-reduce of two flags), and while one has, every engine steps; a step in which an engine ran no forward (nothing to
-schedule, or only a step to read back) ends with an empty MoE pass on its ranks (:func:`~megatron_serve.model.experts.moe.empty_moe_pass`): each MoE
-layer entered with no tokens, so the others' tokens reach its experts and come back.
+schedule, or only a step to read back) ends with an empty MoE pass on its ranks
+(:func:`~megatron_serve.model.experts.moe.empty_moe_pass`): each MoE layer entered with no tokens, so the others'
+tokens reach its experts and come back.
 
 Each forward and each empty pass starts with one more all-reduce among the leaders: the largest token count of the
 step (:func:`agree_tokens`, vLLM's ``num_tokens_across_dp``), which each leader sends its ranks with the step. Where a
