@@ -25,6 +25,12 @@ from .security import HANDSHAKE_EVENTS, FleetSecret, HandshakeWatch, PeerKeys, r
 ZMTP_HEARTBEAT_IVL_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 2_000, 10_000
 #: TCP keepalive (seconds): the kernel's own probes, for a connection idle between heartbeats' reach (a closed one).
 TCP_KEEPALIVE_IDLE_S, TCP_KEEPALIVE_INTVL_S, TCP_KEEPALIVE_CNT = 10, 5, 3
+#: A peer's connect attempts (milliseconds): one not established within ``CONNECT_TIMEOUT_MS`` is abandoned and a new
+#: one starts ``RECONNECT_IVL_MS`` later, backing off to ``RECONNECT_IVL_MAX_MS``. Without the time-out a connect
+#: started while the link silently dropped packets sat in the kernel's SYN back-off (its SYN sent again 1, 3, 7, 15 s
+#: ... after the first), and an engine registered again 13-16 s after the link was back (issue 86); now a new SYN
+#: goes out within 2 s, whenever the link returns (2-4 s after a link-down, where the connect fails at once).
+CONNECT_TIMEOUT_MS, RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 1_000, 100, 1_000
 
 
 def keep_alive(sock: zmq.Socket) -> None:
@@ -47,8 +53,9 @@ def open_peer_socket(ctx: zmq.Context, address: str, secret: FleetSecret | None,
     sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue frames for a connection that is not up
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
     keep_alive(sock)
     secure_client(sock, secret, keys)
     monitor = open_monitor(sock, HANDSHAKE_EVENTS)
