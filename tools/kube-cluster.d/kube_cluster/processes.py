@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -115,7 +116,8 @@ def started_names(folder: Path) -> list[str]:
     return [p.stem for p in files]
 
 
-def wait(what: str, check, timeout: float, log: Path | None = None, interval: float = 0.25):
+def wait(what: str, check: Callable[[], object], timeout: float, log: Path | None = None,
+         interval: float = 0.25) -> object:
     """Poll `check()` until it returns a true value; fail naming `what` (and the log's tail)."""
     deadline = time.monotonic() + timeout
     last_error = ""
