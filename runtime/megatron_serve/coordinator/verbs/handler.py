@@ -11,7 +11,7 @@ all the defaults (UNPAUSE, RESUME) is this class itself: its steps go to every e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ...wire.controls import Control
 
@@ -21,15 +21,6 @@ if TYPE_CHECKING:
     from ..core_view import CoreView
     from ..expert_group import WantedSizes
     from ..peers import EngineRecord
-
-_Body = TypeVar("_Body", bound=Control)
-
-
-def read_as(body: Control, kind: type[_Body]) -> _Body:
-    """``body`` as its verb's own message: a plain :class:`Control` (an older client's, that sent no optional field)
-    is ``kind`` with every optional field absent."""
-    return body if isinstance(body, kind) else kind(control_id=body.control_id)
-
 
 #: Each engine's facts in a verb's answer (engine id -> what its acknowledgements said, ``group``, ``state``).
 EngineFacts = dict[str, dict[str, Any]]
@@ -52,10 +43,21 @@ class Refusal:
     detail: dict[str, Any] | None = None
 
 
-def first_refusal(failed: dict[str, str]) -> tuple[str, str, str]:
-    """The engine that refused first by id, its reason, and `` and N more`` when others did too."""
+def engine_errors(facts: EngineFacts) -> dict[str, str]:
+    """Engine id -> the error its acknowledgement carried, for the engines whose acknowledgement carried one."""
+    return {engine_id: str(f["error"]) for engine_id, f in facts.items() if f.get("error")}
+
+
+def named(failed: dict[str, str]) -> str:
+    """``engine X: why`` for the first engine that failed (by id), `` and N more`` before the reason when others did."""
     engine_id, why = sorted(failed.items())[0]
-    return engine_id, why, f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+    return f"engine {engine_id}" + (f" and {len(failed) - 1} more" if len(failed) > 1 else "") + f": {why}"
+
+
+def verify_refused(step: Step, verify: Step, facts: EngineFacts) -> str | None:
+    """:func:`named` for the engines that refused ``verify``, when ``step`` is it and any did; else None."""
+    errors = engine_errors(facts)
+    return named(errors) if step is verify and errors else None
 
 
 class VerbHandler:
@@ -71,9 +73,12 @@ class VerbHandler:
     level = 1
     #: Whether the verb's answer makes every engine's cached blocks unknown to routing (new weights).
     forgets_routing = False
+    #: The verb's own message. A plain :class:`Control` (an older client's, that sent no optional field) is read as
+    #: it with every optional field absent.
+    message_type: type[Control] = Control
 
     def __init__(self, body: Control) -> None:
-        self.body = body
+        self.body = body if isinstance(body, self.message_type) else self.message_type(control_id=body.control_id)
 
     def problem(self, context: VerbContext) -> str | None:
         """Why its arguments are refused on arrival (``invalid_request``), before it is queued."""

@@ -19,7 +19,7 @@ import msgspec
 from ...wire.controls import Control, LoadLora, UnloadLora
 from ...wire.lifecycle import STEPS, Step
 from ...wire.protocol import ErrorCode
-from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, first_refusal
+from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, named, verify_refused
 
 if TYPE_CHECKING:
     from ..peers import EngineRecord
@@ -55,10 +55,8 @@ class LoraVerb(VerbHandler):
         or its unload failed), naming it, with every engine's facts; else the adapters kept for later engines."""
         detail.update(noop=False, lora_name=self.body.lora_name)
         if self.failed:
-            engine_id, why, more = first_refusal(self.failed)
-            return Refusal(ErrorCode.LORA_REFUSED,
-                           f"{self.verb_name} {self.body.lora_name!r} failed on engine {engine_id}{more}: {why}",
-                           {**detail, "failed": dict(self.failed)})
+            return Refusal(ErrorCode.LORA_REFUSED, f"{self.verb_name} {self.body.lora_name!r} failed on "
+                                                   f"{named(self.failed)}", {**detail, "failed": dict(self.failed)})
         self.keep(context.core.loaded_loras)
         return None
 
@@ -81,12 +79,9 @@ class LoadLoraVerb(LoraVerb):
         return msgspec.structs.replace(self.body, control_id=control_id, phase=STEPS[step].phase)
 
     def refusal_after(self, context: VerbContext, step: Step, facts: EngineFacts) -> Refusal | None:
-        errors = {engine_id: f["error"] for engine_id, f in facts.items() if f.get("error")}
-        if step is not Step.LORA_VERIFY or not errors:
-            return None
-        engine_id, why, more = first_refusal(errors)
-        return Refusal(ErrorCode.LORA_REFUSED,
-                       f"LOAD_LORA refused by engine {engine_id}{more}: {why}; no engine serves it")
+        who = verify_refused(step, Step.LORA_VERIFY, facts)
+        return None if who is None else Refusal(ErrorCode.LORA_REFUSED,
+                                                f"LOAD_LORA refused by {who}; no engine serves it")
 
     def keep(self, loaded: dict[str, str]) -> None:
         loaded[self.body.lora_name] = self.body.lora_path

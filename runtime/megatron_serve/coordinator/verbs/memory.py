@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...wire.controls import Control, ResetPrefixCache, Stop, Suspend
 from ...wire.lifecycle import Step
-from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, read_as
+from .handler import EngineFacts, Refusal, VerbContext, VerbHandler
 
 if TYPE_CHECKING:
     from ..peers import EngineRecord
@@ -17,9 +17,10 @@ class SuspendVerb(VerbHandler):
     """SUSPEND: its level, and whether live requests' KV is kept in host memory."""
 
     body: Suspend
+    message_type = Suspend
 
     def __init__(self, body: Control) -> None:
-        super().__init__(read_as(body, Suspend))
+        super().__init__(body)
         self.level, self.keep_kv = self.body.level or 1, bool(self.body.keep_kv)
 
     def problem(self, context: VerbContext) -> str | None:
@@ -39,9 +40,7 @@ class ResetPrefixCacheVerb(VerbHandler):
     """RESET_PREFIX_CACHE: each engine says whether it reset (``reset``, in the lifecycle table's words)."""
 
     body: ResetPrefixCache
-
-    def __init__(self, body: Control) -> None:
-        super().__init__(read_as(body, ResetPrefixCache))
+    message_type = ResetPrefixCache
 
     def message(self, context: VerbContext, step: Step, control_id: str) -> Control:
         return ResetPrefixCache(control_id=control_id, reset_running_requests=self.body.reset_running_requests or None)
@@ -60,9 +59,7 @@ class StopVerb(VerbHandler):
     """STOP: every engine drains for ``drain_timeout`` (its deadline grows by as much) and leaves the fleet."""
 
     body: Stop
-
-    def __init__(self, body: Control) -> None:
-        super().__init__(read_as(body, Stop))
+    message_type = Stop
 
     def drain_s(self) -> float:
         return self.body.drain_timeout or 0.0

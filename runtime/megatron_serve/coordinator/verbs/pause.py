@@ -15,7 +15,7 @@ from ...wire.lifecycle import (DEFAULT_PAUSE_DRAIN_TIMEOUT, FleetState, PauseMod
                                parse_pause_mode)
 from ...wire.controls import Control, Pause
 from ..requests import Phase
-from .handler import Refusal, VerbContext, VerbHandler, read_as
+from .handler import Refusal, VerbContext, VerbHandler
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -24,9 +24,10 @@ class PauseVerb(VerbHandler):
     """PAUSE: its mode, its drain time, and what the mode did (in the answer)."""
 
     body: Pause
+    message_type = Pause
 
     def __init__(self, body: Control) -> None:
-        super().__init__(read_as(body, Pause))
+        super().__init__(body)
         self.mode = PauseMode.KEEP
         self.drain_timeout: float | None = None
         self.drain_until: float | None = None  # mode wait: the step waits for running requests until then

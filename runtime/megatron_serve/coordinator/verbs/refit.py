@@ -19,7 +19,7 @@ import msgspec
 from ...wire.controls import Control, Refit
 from ...wire.lifecycle import STEPS, Step
 from ...wire.protocol import ErrorCode
-from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, first_refusal
+from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, named, verify_refused
 
 if TYPE_CHECKING:
     from ..core_view import CoreView
@@ -50,7 +50,8 @@ class RefitVerb(VerbHandler):
     def refusal_at_start(self, context: VerbContext) -> Refusal | None:
         core = context.core
         if not core.engines:
-            return Refusal(ErrorCode.REFIT_FAILED, "REFIT needs at least one connected engine to verify the new weights")
+            return Refusal(ErrorCode.REFIT_FAILED,
+                           "REFIT needs at least one connected engine to verify the new weights")
         if self.epoch is None and not self.pushes_adapter:
             self.epoch = core.epoch + 1
         return None
@@ -110,12 +111,9 @@ class RefitVerb(VerbHandler):
             engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
 
     def refusal_after(self, context: VerbContext, step: Step, facts: EngineFacts) -> Refusal | None:
-        errors = {engine_id: f["error"] for engine_id, f in facts.items() if f.get("error")}
-        if step is not Step.REFIT_VERIFY or not errors:
-            return None
-        engine_id, why, more = first_refusal(errors)
-        return Refusal(ErrorCode.REFIT_FAILED, f"REFIT refused by engine {engine_id}{more}: {why}; the fleet keeps "
-                                               f"serving epoch {context.core.epoch}")
+        who = verify_refused(step, Step.REFIT_VERIFY, facts)
+        return None if who is None else Refusal(
+            ErrorCode.REFIT_FAILED, f"REFIT refused by {who}; the fleet keeps serving epoch {context.core.epoch}")
 
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
         core = context.core
@@ -139,9 +137,8 @@ class RefitVerb(VerbHandler):
 
     def _transfer_failed(self, core: CoreView, detail: dict[str, Any]) -> Refusal:
         """A trainer's refit that failed on some engine: refused, with what every engine holds now."""
-        engine_id, why, more = first_refusal(self.failed)
         incomplete = core.incomplete_weights()
-        message = f"REFIT from {self.source} failed on engine {engine_id}{more}: {why}; "
+        message = f"REFIT from {self.source} failed on {named(self.failed)}; "
         if incomplete:
             message += (f"engine(s) {', '.join(incomplete)} hold incomplete weights: the fleet stays "
                         f"{core.state.value} and UNPAUSE is refused until a refit completes")

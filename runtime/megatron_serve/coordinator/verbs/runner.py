@@ -242,8 +242,8 @@ class VerbRunner:
             return
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
-        logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
-                    core.state.value, len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
+        logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state, core.state.value,
+                    len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
         if op.handler.forgets_routing:  # no block of the old weights is found again, in any tier: routing starts over
             for engine_id in list(core.engines):
                 core.policy.forget(engine_id)

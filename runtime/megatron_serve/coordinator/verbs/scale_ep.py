@@ -9,7 +9,7 @@ from ...wire.controls import Control, ScaleEp
 from ...wire.lifecycle import Step
 from ...wire.protocol import ErrorCode
 from ..expert_group import leave, scale_problem, scale_refused
-from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, read_as
+from .handler import EngineFacts, Refusal, VerbContext, VerbHandler
 
 if TYPE_CHECKING:
     from ..peers import EngineRecord
@@ -19,9 +19,7 @@ class ScaleEpVerb(VerbHandler):
     """SCALE_EP: the size asked for; the ranks from it on leave, handing their requests back."""
 
     body: ScaleEp
-
-    def __init__(self, body: Control) -> None:
-        super().__init__(read_as(body, ScaleEp))
+    message_type = ScaleEp
 
     def problem(self, context: VerbContext) -> str | None:
         return scale_problem(context.core.engines.values(), self.body.size)
