@@ -78,10 +78,23 @@ def _post(body: kopf.Body, events: list[Event]) -> None:
             _log.debug("could not post event %s: %s", reason, exc)
 
 
-def _apply(body: kopf.Body, patch: kopf.Patch, result: PassResult) -> None:
+def _apply(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, result: PassResult) -> None:
     if result.status:
         patch.setdefault("status", {}).update(result.status)
     _post(body, result.events)
+    _resource_state(memo).api_error = None
+
+
+def _refused(body: kopf.Body, memo: kopf.Memo, exc: KubeError) -> str:
+    """The API server refused one of the pass's calls (RBAC, admission, validation): a Warning Event on the
+    resource says which (kopf only logs a handler's failure, and ``kubectl describe`` would show nothing), once per
+    distinct refusal rather than once per retry."""
+    message = f"Kubernetes API: {exc}"
+    state = _resource_state(memo)
+    if state.api_error != message:
+        state.api_error = message
+        _post(body, [("Warning", "KubernetesAPIError", message)])
+    return message
 
 
 # --------------------------------------------------------------------------- kopf wiring
@@ -96,8 +109,8 @@ async def on_change(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger:
     try:
         result = await run_pass(_resource(body), _resource_state(memo), kube(), CONFIG, logger)
     except KubeError as exc:
-        raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=CONFIG.reconcile_interval) from exc
-    _apply(body, patch, result)
+        raise kopf.TemporaryError(_refused(body, memo, exc), delay=CONFIG.reconcile_interval) from exc
+    _apply(body, memo, patch, result)
 
 
 @kopf.timer(*_RESOURCE, interval=CONFIG.reconcile_interval, initial_delay=CONFIG.reconcile_interval)
@@ -107,9 +120,9 @@ async def on_timer(body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, logger: 
     try:
         result = await run_pass(_resource(body), _resource_state(memo), kube(), CONFIG, logger)
     except KubeError as exc:
-        logger.warning("reconcile failed, retrying in %ss: %s", CONFIG.reconcile_interval, exc)
+        logger.warning("reconcile failed, retrying in %ss: %s", CONFIG.reconcile_interval, _refused(body, memo, exc))
         return
-    _apply(body, patch, result)
+    _apply(body, memo, patch, result)
 
 
 @kopf.on.delete(*_RESOURCE)

@@ -49,6 +49,7 @@ class ResourceState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     links: LinkCache = field(default_factory=LinkCache)
     model: dict[str, Any] | None = None  # the status.model written last (kopf applies it after the pass)
+    api_error: str | None = None  # the Kubernetes API's refusal posted last as an Event (None: the last pass went)
 
 
 @dataclass

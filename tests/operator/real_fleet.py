@@ -1,0 +1,158 @@
+"""One test's MegatronInference fleet on the real cluster: the chart's ServiceAccount and RBAC, the claims and
+Secrets an example needs, the operator as a process holding that ServiceAccount's token, and GPU nodes of the
+test's own.
+
+A test's own nodes (:meth:`Fleet.gpu_pool`) are kwok nodes like the cluster's, tainted and labelled for the test's
+namespace: the layouts' pods go there and nowhere else, and no other test's pods take their GPUs, so a layout
+that fits is placed whatever runs beside it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from megatron_operator import names
+
+from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, service_account_kubeconfig, until
+
+#: What marks a node as kwok's to play (tools/kube-cluster starts kwok with this annotation selector).
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+POOL_LABEL = "megatron.test/pool"
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"  # the tp8 example's nodeSelector
+
+
+class Fleet:
+    """One test's namespace: the chart's ServiceAccount and RBAC, bound claims, API-key Secrets, its own GPU
+    nodes, and the operator (started on demand) with that ServiceAccount's token."""
+
+    def __init__(self, kubectl: Kubectl, helm: Helm, workdir: pathlib.Path):
+        self.kubectl, self.helm, self.workdir = kubectl, helm, workdir
+        self.release = f"mo-{kubectl.namespace}"[:40].rstrip("-")
+        self.account = f"{self.release}-megatron-operator"
+        self.operators: list[OperatorProcess] = []
+        self.cluster_objects: list[str] = []  # kind/name of the cluster-scoped objects this test made
+
+    def install_chart_rbac(self) -> None:
+        """The chart's ServiceAccount, Role and RoleBinding as ``helm template`` renders them for ``rbac.scope:
+        namespace`` serving this namespace: the operator then runs as the chart runs it in that scope (one
+        namespace, no CRD scanning), and sees no other test's resources (the cluster scope's ClusterRole holds the
+        same rules and the CRDs' list and watch, test_operator_chart.py)."""
+        rendered = self.helm.run("template", self.release, str(CHART), f"--namespace={self.kubectl.namespace}",
+                                 "--set=rbac.scope=namespace", f"--set=watchNamespaces={{{self.kubectl.namespace}}}",
+                                 "--show-only=templates/serviceaccount.yaml", "--show-only=templates/rbac.yaml").stdout
+        self.kubectl.apply(rendered)
+
+    def claim(self, claim: str) -> None:
+        """A PersistentVolume and the claim ``claim``, bound by the real PV controller."""
+        volume = f"{self.kubectl.namespace}-{claim}"
+        self.kubectl.apply([
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany", "ReadWriteMany"],
+                      "storageClassName": "", "hostPath": {"path": f"/tmp/{volume}"},
+                      "claimRef": {"namespace": self.kubectl.namespace, "name": claim}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+                      "resources": {"requests": {"storage": "1Gi"}}}},
+        ])
+        self.cluster_objects.append(f"pv/{volume}")
+        until(lambda: (self.kubectl.get("pvc", claim) or {}).get("status", {}).get("phase") == "Bound", 30,
+              f"claim {claim} bound")
+
+    def prerequisites(self, resource: dict[str, Any]) -> None:
+        """What the example's comments tell a user to make first: its claims and its API-key Secret."""
+        spec = resource["spec"]
+        for source in (spec["model"].get("volume"), (spec.get("lora") or {}).get("volume")):
+            if source and "persistentVolumeClaim" in source:
+                self.claim(source["persistentVolumeClaim"]["claimName"])
+        ref = spec.get("server", {}).get("apiKeySecretRef")
+        if ref:
+            self.kubectl.run("create", "secret", "generic", ref["name"], f"--from-literal={ref['key']}=test-key")
+
+    def gpu_pool(self, count: int, gpus: int = 8) -> dict[str, Any]:
+        """``count`` kwok GPU nodes of this test's own; returns what a resource's ``spec.engine`` needs to land
+        there (a nodeSelector and a toleration of the pool's taint)."""
+        ns = self.kubectl.namespace
+        nodes = []
+        for i in range(count):
+            name = f"{ns}-gpu-{i}"
+            capacity = {"cpu": "224", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+            nodes.append({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "annotations": {KWOK_ANNOTATION: "fake"},
+                             "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                        "type": "kwok", POOL_LABEL: ns, "nvidia.com/gpu.product": GPU_PRODUCT,
+                                        "nvidia.com/gpu.count": str(gpus),
+                                        "topology.kubernetes.io/zone": f"zone-{'ab'[i % 2]}"}},
+                "spec": {"taints": [{"key": POOL_LABEL, "value": ns, "effect": "NoSchedule"}]},
+                "status": {"capacity": capacity, "allocatable": dict(capacity)},
+            })
+            self.cluster_objects.append(f"node/{name}")
+        self.kubectl.apply(nodes)
+        until(lambda: all(any(c["type"] == "Ready" and c["status"] == "True"
+                              for c in ((self.kubectl.get("node", n["metadata"]["name"]) or {}).get("status") or {})
+                              .get("conditions", [])) for n in nodes), 60, "the pool's nodes Ready")
+        return {"nodeSelector": {POOL_LABEL: ns},
+                "tolerations": [{"key": POOL_LABEL, "operator": "Equal", "value": ns, "effect": "NoSchedule"}]}
+
+    def operator(self, **env: str) -> OperatorProcess:
+        kubeconfig = service_account_kubeconfig(self.kubectl, self.account, self.workdir / "operator.kubeconfig")
+        process = OperatorProcess(kubeconfig, self.kubectl.namespace, self.workdir / "operator.log", scanning=False,
+                                  env=env).start()
+        self.operators.append(process)
+        return process
+
+    def mi(self, name: str) -> dict[str, Any] | None:
+        return self.kubectl.get(MI, name)
+
+    def engine_pods(self, name: str) -> list[dict[str, Any]]:
+        return self.kubectl.get("pods", None, f"-l={names.engine_pod_selector(name)}")
+
+    def owned(self, uid: str) -> list[str]:
+        """Every object in the namespace whose ownerReferences lead to ``uid`` (directly or through a workload)."""
+        kinds = "secrets,services,deployments,statefulsets,replicasets,controllerrevisions,networkpolicies,pods"
+        items = self.kubectl.get(kinds)
+        uids = {uid}
+        changed = True
+        while changed:
+            changed = False
+            for item in items:
+                refs = {r["uid"] for r in item["metadata"].get("ownerReferences", [])}
+                if refs & uids and item["metadata"]["uid"] not in uids:
+                    uids.add(item["metadata"]["uid"])
+                    changed = True
+        return sorted(f"{i['kind']}/{i['metadata']['name']}" for i in items if i["metadata"]["uid"] in uids - {uid})
+
+    def close(self) -> None:
+        """Stop the operators, let go of the resources' finalizers (no operator is left to remove them, and the
+        namespace's deletion would wait), and delete the cluster-scoped objects the test made."""
+        for process in self.operators:
+            process.stop()
+        for item in self.kubectl.get(MI):
+            self.kubectl.run("patch", MI, item["metadata"]["name"], "--type=merge",
+                             "-p", '{"metadata":{"finalizers":null}}', check=False)
+        if self.cluster_objects:
+            self.kubectl.run("delete", "--wait=false", "--ignore-not-found", *self.cluster_objects, check=False)
+
+
+def placement_problems(kubectl: Kubectl, pods: list[dict[str, Any]], gpus: int) -> list[str]:
+    """What is wrong with ``pods`` (empty: each Running and Ready, bound to a node with at least ``gpus`` GPUs,
+    each asking for ``gpus``, and no node holding more GPUs than it has)."""
+    problems = []
+    used: dict[str, int] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        node = pod["spec"].get("nodeName")
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+        if status.get("phase") != "Running" or not ready or not node:
+            problems.append(f"{pod['metadata']['name']}: {status.get('phase')} on {node}")
+            continue
+        requested = int(pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"])
+        used[node] = used.get(node, 0) + requested
+        if requested != gpus:
+            problems.append(f"{pod['metadata']['name']}: asks for {requested} GPUs, not {gpus}")
+    for node, total in used.items():
+        allocatable = int(kubectl.get("node", node)["status"]["allocatable"].get("nvidia.com/gpu", "0"))
+        if total > allocatable:
+            problems.append(f"{node}: {total} GPUs bound of {allocatable}")
+    return problems
