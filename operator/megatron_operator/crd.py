@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_speculative, crd_tenants
+from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_rollout, crd_speculative, crd_tenants
 from .crd_fields import free_field, int_field, obj_field, str_field, volume_field
 
 GROUP = "serving.megatron.dev"
@@ -410,6 +410,8 @@ def spec_schema() -> dict[str, Any]:
             "drainTimeoutSeconds": int_field("How long engines may drain on shutdown, scale-down or deletion, and how "
                                              "long a PAUSE with pauseMode Wait lets running requests finish.",
                                              minimum=0, maximum=3600, default=60),
+            "disruptionBudget": crd_rollout.disruption_budget_schema(),
+            "rollout": crd_rollout.rollout_schema(),
         },
         required=["model"],
     )

@@ -25,6 +25,7 @@ KINDS: dict[tuple[str, str], tuple[str, str]] = {
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     (lws.API_VERSION, lws.KIND): (f"/apis/{lws.API_VERSION}", lws.PLURAL),
     ("v1", "Pod"): ("/api/v1", "pods"),
 }
@@ -46,6 +47,8 @@ PERMISSIONS: list[tuple[str, str, tuple[str, ...]]] = [
     ("apps", "deployments", ("get", "create", "patch")),
     ("apps", "statefulsets", ("get", "list", "create", "patch", "delete")),
     ("networking.k8s.io", "networkpolicies", ("get", "create", "patch")),
+    # the fleet's disruption budgets (spec.disruptionBudget); deleted when it is disabled
+    ("policy", "poddisruptionbudgets", ("get", "create", "patch", "delete")),
     # engine groups with spec.engine.parallelism, where the cluster has the LeaderWorkerSet CRD
     (lws.GROUP, lws.PLURAL, ("get", "list", "create", "patch", "delete")),
     # their ranks: listed for status.groups; a StatefulSet gang's other pods are deleted when one rank restarts

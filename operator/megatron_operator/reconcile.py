@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import leader_worker_set as lws
-from . import kv_node, names, render
+from . import disruption, kv_node, names, render
 from .kube import Kube, KubeError
 
 Event = tuple[str, str, str]  # (type, reason, message)
@@ -185,8 +185,11 @@ class Reconciler:
 
     async def _delete_dropped(self, name: str, namespace: str, uid: str | None, wanted: set[tuple[str, str]],
                               result: ChildrenResult) -> None:
-        """Delete the optional children the spec no longer asks for (the KV events Service without kvEvents)."""
-        for api_version, kind, item_name in (("v1", "Service", kv_node.kv_events_service_name(name)),):
+        """Delete the optional children the spec no longer asks for (the KV events Service without kvEvents, the
+        disruption budgets without spec.disruptionBudget)."""
+        optional = [("v1", "Service", kv_node.kv_events_service_name(name)),
+                    *(("policy/v1", "PodDisruptionBudget", budget) for budget in disruption.budget_names(name))]
+        for api_version, kind, item_name in optional:
             if (kind, item_name) in wanted:
                 continue
             live = await self.kube.get(api_version, kind, namespace, item_name)

@@ -12,7 +12,8 @@ objects in the same order (docs/reference/megatroninference.md):
 7. for each data-parallel group g: headless Service ``<name>-engine-<g>`` (rank rendezvous,
    ``publishNotReadyAddresses``) then StatefulSet ``<name>-engine-<g>`` (pods of the group); a gang
    (``spec.engine.parallelism``) on a cluster with the LeaderWorkerSet CRD: LeaderWorkerSet
-   ``<name>-engine-<g>`` alone (:mod:`.leader_worker_set`).
+   ``<name>-engine-<g>`` alone (:mod:`.leader_worker_set`),
+8. PodDisruptionBudgets ``<name>-engine`` and ``<name>-coordinator`` (``spec.disruptionBudget``; :mod:`.disruption`).
 
 Every object carries ``app.kubernetes.io/instance=<name>`` and, when the resource has a uid,
 an ownerReference to it. The token is an HMAC of the resource's identity under the operator's
@@ -37,6 +38,7 @@ from megatron_serve.fleet.argv import kv_role_argv
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
 from .crd_kv_tiers import with_host_tier
 from .crd_tenants import server_tenancy
+from .disruption import render_budgets
 from .engine_args import engine_flags, layout_flags, lora_flags
 from .kv_node import disk_volume, events_container_ports, render_events_service
 from .leader_worker_set import render_engine_lws
@@ -400,7 +402,7 @@ def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, to
         objects.append(events_service)
     for group in range(spec.data):
         objects += render_engine_group(spec, group, config, engines_stopped, leader_worker_set)
-    return objects
+    return objects + render_budgets(spec)  # spec.disruptionBudget
 
 
 def render(resource: dict[str, Any], config: OperatorConfig | None = None, *, token: str | None = None,

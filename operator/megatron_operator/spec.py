@@ -254,6 +254,8 @@ class InferenceSpec:
     pause_mode: str  # megatron_serve.wire.lifecycle.PauseMode's value: keep, wait, abort
     suspend_keep_kv: bool  # every SUSPEND keeps the requests in flight's KV in host memory
     drain_timeout_seconds: int
+    disruption_budget: dict[str, Any]  # spec.disruptionBudget, defaulted (enabled, maxUnavailableGroups, ...)
+    progress_deadline_seconds: int  # spec.rollout.progressDeadlineSeconds: a group not Ready by then halts a rollout
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -363,5 +365,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         pause_mode=spec["pauseMode"].lower(),
         suspend_keep_kv=spec["suspendKeepKV"],
         drain_timeout_seconds=spec["drainTimeoutSeconds"],
+        disruption_budget=dict(spec["disruptionBudget"]),
+        progress_deadline_seconds=spec["rollout"]["progressDeadlineSeconds"],
         raw=obj,
     )

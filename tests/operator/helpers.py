@@ -273,7 +273,8 @@ class Cluster:
 
     def children(self, namespace: str, instance: str) -> dict[tuple[str, str], dict[str, Any]]:
         out = {}
-        for plural in ("secrets", "services", "deployments", "statefulsets", "leaderworkersets", "networkpolicies"):
+        for plural in ("secrets", "services", "deployments", "statefulsets", "leaderworkersets", "networkpolicies",
+                       "poddisruptionbudgets"):
             for obj in self.emu.objects_of(plural, namespace):
                 if (obj["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == instance:
                     out[(obj["kind"], obj["metadata"]["name"])] = obj

@@ -281,11 +281,19 @@ async def test_rbac_covers_every_call_and_nothing_more(cluster):
     await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready")
     await wait_for(lambda: cluster.token_of(NS, "side"), what="the other resource's Secret")
     assert cluster.token_of(NS, "demo") == "secret"  # an existing token is kept, never rotated
-    # scale down (list/delete), new image (deployments patch), new port (services/networkpolicies patch)
+    # scale down (list/delete), new image (deployments patch), new port (services/networkpolicies patch), two
+    # groups' pods may go at once (poddisruptionbudgets patch)
     await cluster.patch_mi(NS, "demo", {"spec": {"image": "example.com/x:2", "server": {"port": 8080},
-                                                 "parallelism": {"data": 1}}})
+                                                 "parallelism": {"data": 1},
+                                                 "disruptionBudget": {"maxUnavailableGroups": 2}}})
     await wait_for(lambda: engine_names(cluster) == ["demo-engine-0"] and
                    cluster.status(NS, "demo").get("phase") == "Ready", what="scaled down and Ready")
+    await wait_for(lambda: (cluster.emu.find("poddisruptionbudgets", NS, "demo-engine") or {}).get("spec", {})
+                   .get("maxUnavailable") == 2, what="the engine budget patched")
+    # no budgets any more (poddisruptionbudgets delete)
+    await cluster.patch_mi(NS, "demo", {"spec": {"disruptionBudget": {"enabled": False}}})
+    await wait_for(lambda: cluster.emu.find("poddisruptionbudgets", NS, "demo-engine") is None,
+                   what="the budgets deleted")
     await cluster.must("DELETE", cluster.mi_path(NS, "demo"))
     await wait_for(lambda: cluster.mi(NS, "demo") is None, what="deleted")
     await cluster.stop_operator()

@@ -57,12 +57,13 @@ def test_stable_order_and_deterministic(example):
     kinds = [o["kind"] for o in first]
     data = example["spec"]["parallelism"]["data"]
     assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "NetworkPolicy", "Deployment"] + \
-        ["Service", "StatefulSet"] * data
+        ["Service", "StatefulSet"] * data + ["PodDisruptionBudget", "PodDisruptionBudget"]
     name = example["metadata"]["name"]
     assert [o["metadata"]["name"] for o in first[:6]] == [
         f"{name}-coordinator-token", name, f"{name}-coordinator", f"{name}-coordinator", f"{name}-engine",
         f"{name}-coordinator"]
-    assert [o["metadata"]["name"] for o in first[6::2]] == [f"{name}-engine-{g}" for g in range(data)]
+    assert [o["metadata"]["name"] for o in first[6:-2:2]] == [f"{name}-engine-{g}" for g in range(data)]
+    assert [o["metadata"]["name"] for o in first[-2:]] == [f"{name}-engine", f"{name}-coordinator"]
 
 
 def test_labels_owner_and_namespace(example):
@@ -302,7 +303,7 @@ def test_module_entry_point_renders(tmp_path: pathlib.Path):
                            str(ROOT / "manifests" / "examples" / "single-gpu.yaml")],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert len(list(yaml.safe_load_all(proc.stdout))) == 8
+    assert len(list(yaml.safe_load_all(proc.stdout))) == 10  # 6 fleet objects, 1 group, 2 budgets
 
 
 def test_kopf_arguments():
@@ -355,7 +356,7 @@ def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, cap
     monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY", "k")
     path = str(ROOT / "manifests" / "examples" / "single-gpu.yaml")
     assert serve_cli.main(["render", "-f", path]) == 0
-    assert len(list(yaml.safe_load_all(capsys.readouterr().out))) == 8
+    assert len(list(yaml.safe_load_all(capsys.readouterr().out))) == 10
     seen: list[list[str]] = []
     monkeypatch.setattr(cli, "operator_command", lambda extra: seen.append(list(extra)) or 0)
     assert serve_cli.main(["operator", "-n", "ml", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]) == 0

@@ -87,6 +87,10 @@ The CRD rule is cluster-scoped and only granted with rbac.scope=cluster.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]
+# the fleet's disruption budgets (spec.disruptionBudget), which a node drain obeys; deleted when disabled
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
 # engine groups with spec.engine.parallelism: LeaderWorkerSets where the cluster has the CRD; their pods are
 # listed for status.groups, and a StatefulSet gang's other pods are deleted when one rank restarts
 - apiGroups: ["leaderworkerset.x-k8s.io"]
