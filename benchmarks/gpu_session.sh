@@ -5,6 +5,10 @@
 #                                            # compile, parity (bf16, 60 cases), MoE and VLM tests natively
 #   bash benchmarks/gpu_session.sh serving   # served vs offline, 1B shape, c=64 (greedy and sampled side by side) and c=256
 #   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
+#   bash benchmarks/gpu_session.sh host      # the host's ceiling on this 16-core host: the whole stack on the stand-in
+#                                            # forward (fixed logits, 128,256 words) at c 64/256/1024, greedy and
+#                                            # sampled (n 4, logprobs 1), 1, 2 and 4 API servers, CPU by process and
+#                                            # stage (py-spy, a wheel in .whl: py_spy-*-manylinux*.whl)
 #   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
 #   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariant Triton kernels' tests (attention in
 #                                            # CUDA graphs included), the invariance, graphs-vs-eager and trainer-parity
@@ -52,7 +56,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH="/tmp/site/bin:$PATH"  # (py-spy's binary)
 fi
 export PYTHONPATH="runtime:kernels:operator:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
@@ -90,6 +94,10 @@ case ${1:-tests} in
     step serving_c256 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 256 --requests 1024 \
       --prompt-tokens 128 --output-tokens 128 --run-args "--dtype bfloat16 --max-num-seqs 256"
     step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256
+    ;;
+  host)  # the engine samples on the GPU; the stand-in's logits are drawn there once
+    step host_ceiling 560 python3 benchmarks/host_ceiling.py --concurrency 64,256,1024 --api-servers 1,2,4 \
+      --output-tokens 64 --run-args "--max-num-seqs 1024"
     ;;
   bench)
     step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256

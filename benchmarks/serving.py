@@ -81,21 +81,25 @@ class Cost:
 
 @dataclass
 class Sampling:
-    """How every request samples: greedy at temperature 0; ``n`` choices per request."""
+    """How every request samples: greedy at temperature 0; ``n`` choices per request; ``logprobs``: the completion
+    API's (each token's log probability and its ``logprobs`` best alternatives streamed), None for none."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     n: int = 1
+    logprobs: int | None = None
 
     def body(self) -> dict:
         """The completion request's sampling fields (vLLM's ``top_k`` among them)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "n": self.n}
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "n": self.n}
+        return fields if self.logprobs is None else {**fields, "logprobs": self.logprobs}
 
     def describe(self) -> str:
+        told = "" if self.logprobs is None else f", logprobs {self.logprobs}"
         if not self.temperature:
-            return "greedy" + (f", n {self.n}" if self.n > 1 else "")
-        return f"sampled (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}, n {self.n})"
+            return "greedy" + (f", n {self.n}" if self.n > 1 else "") + told
+        return f"sampled (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}, n {self.n}{told})"
 
 
 SAMPLING = Sampling()  # set once from the command line
@@ -274,7 +278,8 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
                         for i, (prompt, length) in enumerate(zip(part.prompts, part.lengths))
                         for choice, params in enumerate(SamplingParams(
                             temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
-                            n=SAMPLING.n, num_tokens_to_generate=length, ignore_eos=True).choices())]
+                            n=SAMPLING.n, num_tokens_to_generate=length, ignore_eos=True,
+                            logprobs=SAMPLING.logprobs).choices())]
             elapsed, cpu = run_to_end(engine, requests)
         produced = sum(len(r.generated_tokens) for r in requests)
         assert produced == work.tokens, f"offline produced {produced} tokens, expected {work.tokens}"
@@ -518,13 +523,15 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--n", type=int, default=1, help="choices per request")
+    parser.add_argument("--logprobs", type=int, default=None, help="log probabilities streamed with each token, and "
+                                                                   "this many alternatives (default: none)")
     parser.add_argument("--rl", action="store_true", help="RL rollouts: temperature 1, n 8, 1024 output tokens")
     args = parser.parse_args()
     if args.rl:
         args.temperature, args.n = 1.0, 8
     args.output_tokens = args.output_tokens or (1024 if args.rl else 64)
     global SAMPLING  # noqa: PLW0603 - one setting for the whole run
-    SAMPLING = Sampling(args.temperature, args.top_p, args.top_k, args.n)
+    SAMPLING = Sampling(args.temperature, args.top_p, args.top_k, args.n, args.logprobs)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     for name in THREAD_VARIABLES:  # before torch loads here, and inherited by the started stack
