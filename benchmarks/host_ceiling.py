@@ -63,8 +63,8 @@ class Level:
 
     def ceiling(self) -> tuple[float, str]:
         """Tokens/s at which the busiest single process would use a whole core, and which process that is."""
-        busiest = max(self.sampled, key=lambda item: item.used[0])
-        seconds = busiest.used[0]
+        busiest = max(self.sampled, key=lambda item: item.cpu)
+        seconds = busiest.cpu
         return (self.tokens / seconds if seconds else float("inf")), f"{busiest.role} {busiest.pid}"
 
     def summary(self) -> dict:

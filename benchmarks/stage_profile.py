@@ -1,14 +1,15 @@
 """Where a served stack's CPU goes, by stage: ``py-spy`` samples each of its processes while a load runs, every
-sample's stack is named by the stage of its innermost frame that one of :data:`STAGES` claims, and each process's
-CPU time (``/proc``) is split over the stages in the proportion of their samples.
+sample's stack is named by the stage of its innermost frame that one of :data:`STAGES` claims, and each thread's
+CPU time (``/proc``) is split over the stages in the proportion of its samples.
 
 A sampling profiler, not counters in the runtime: nothing in the served code changes for it, and a frame's stage is
 read off its file and function, so a stage moves when the code moves between files. ``py-spy`` reads the processes
-from outside (``--nonblocking``: they are never paused), and counts a thread only while it is on a CPU, so time
-spent waiting in the event loop's poll is not a sample. Threads that run no Python (ZeroMQ's I/O threads, named
-``ZMQbg/...``) are no sample either: their CPU is the ``transport`` stage's. CPU time is each thread's ``schedstat``
-(nanoseconds), summed.
-What no stage claims (garbage collection, logging, processes no sample reached) is ``other``.
+from outside (``--nonblocking``: they are never paused) and counts a thread only while it seems to be on a CPU; as it
+can take a thread waiting (for a lock, the GIL) for a running one, a thread's samples share out only that thread's
+own CPU time: a mostly idle thread's few samples cannot claim a busy thread's time. CPU time is each thread's
+``schedstat`` (nanoseconds); a thread that ends during the load takes its time with it. Threads that run no Python
+(ZeroMQ's I/O threads, named ``ZMQbg/...``) have no sample: their CPU is the ``transport`` stage's. What no stage
+claims (garbage collection, logging, a thread no sample reached) is ``other``.
 """
 
 from __future__ import annotations
@@ -81,40 +82,36 @@ def stage_of(stack: list[str]) -> str:
     return "other"
 
 
-def read_raw(path: Path) -> Counter[str]:
-    """Samples by stage from ``py-spy record --format raw``'s file (``frame;frame;... count`` lines)."""
-    counts: Counter[str] = Counter()
+def read_raw(path: Path) -> dict[int, Counter[str]]:
+    """Samples by thread id and stage from ``py-spy record --format raw --threads``'s file (``thread (TID): NAME;
+    frame;... count`` lines)."""
+    counts: dict[int, Counter[str]] = {}
     if not path.exists():
         return counts
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            counts[stage_of(stack.split(";"))] += int(count)
+        thread, _, frames = stack.partition(";")
+        tid = thread.partition("(")[2].partition(")")[0]
+        if frames and count.isdigit() and tid.isdigit():
+            counts.setdefault(int(tid), Counter())[stage_of(frames.split(";"))] += int(count)
     return counts
 
 
-def _cpu(task: Path) -> float:
-    """CPU seconds a thread ran: ``schedstat``'s nanoseconds (the clock ticks of ``stat`` count 10 ms at a time)."""
-    return int((task / "schedstat").read_text().split()[0]) / 1e9
-
-
-def thread_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(all its threads', its ZeroMQ background threads') CPU seconds of ``pid`` so far (``/proc``; 0 once gone).
-    A thread that ends takes its time with it: a stack's threads live as long as it does."""
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of ``pid``: its name and CPU seconds so far (``/proc``: ``schedstat``'s nanoseconds, where
+    ``stat``'s clock ticks count 10 ms at a time). Empty once the process is gone."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return 0.0, 0.0
-    total = native = 0.0
+        return {}
+    threads = {}
     for task in tasks:
         try:
-            used = _cpu(task)
-            if (task / "comm").read_text().startswith(NATIVE_TRANSPORT):
-                native += used
+            threads[int(task.name)] = ((task / "comm").read_text().strip(),
+                                       int((task / "schedstat").read_text().split()[0]) / 1e9)
         except OSError:  # ended meanwhile
             continue
-        total += used
-    return total, native
+    return threads
 
 
 def py_spy() -> str | None:
@@ -130,18 +127,29 @@ class Sampled:
     role: str
     raw: Path
     spy: subprocess.Popen | None
-    started: tuple[float, float]
-    used: tuple[float, float] = (0.0, 0.0)
-    samples: Counter[str] = field(default_factory=Counter)
+    started: dict[int, tuple[str, float]]
+    used: dict[int, tuple[str, float]] = field(default_factory=dict)  # CPU over the load, by thread
+    samples: dict[int, Counter[str]] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> float:
+        return sum(seconds for _, seconds in self.used.values())
 
     def stages(self) -> dict[str, float]:
-        """CPU seconds by stage: the Python threads' CPU split by samples, ZeroMQ's threads' as transport."""
-        total, native = self.used
-        python = max(total - native, 0.0)
-        count = sum(self.samples.values())
-        split = {name: python * n / count for name, n in self.samples.items()} if count else {"other": python}
-        split["transport"] = split.get("transport", 0.0) + native
-        return split
+        """CPU seconds by stage: each thread's CPU split by its samples; ZeroMQ's threads' is transport, a thread
+        with CPU and no sample (a short burst between samples, or no Python in it) is other."""
+        split: Counter[str] = Counter()
+        for tid, (name, seconds) in self.used.items():
+            counts = self.samples.get(tid)
+            if name.startswith(NATIVE_TRANSPORT):
+                split["transport"] += seconds
+            elif not counts:
+                split["other"] += seconds
+            else:
+                whole = sum(counts.values())
+                for stage, n in counts.items():
+                    split[stage] += seconds * n / whole
+        return dict(split)
 
 
 class StageProfile:
@@ -164,7 +172,7 @@ class StageProfile:
             raw = self._out_dir / f"{label}-{role}-{pid}.txt"
             spy = None
             if self._spy is not None:
-                spy = subprocess.Popen([self._spy, "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
+                spy = subprocess.Popen([self._spy, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking",
                                         "--rate", str(self._rate), "--output", str(raw)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
             self._sampled.append(Sampled(pid, role, raw, spy, thread_cpu_seconds(pid)))
@@ -172,8 +180,9 @@ class StageProfile:
     def stop(self) -> list[Sampled]:
         """Each process's CPU over the load and its samples by stage."""
         for item in self._sampled:
-            total, native = thread_cpu_seconds(item.pid)
-            item.used = (total - item.started[0], native - item.started[1])
+            now = thread_cpu_seconds(item.pid)
+            item.used = {tid: (name, seconds - item.started.get(tid, ("", 0.0))[1])
+                         for tid, (name, seconds) in now.items()}
         for item in self._sampled:
             if item.spy is not None:
                 item.spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
