@@ -39,7 +39,10 @@ CLIENT = b"client"
 class Replay:
     """One coordinator core and its simulated peers; :meth:`run` returns requests finished."""
 
-    def __init__(self, engines: int, in_flight: int, step_outputs: int) -> None:
+    def __init__(self, engines: int, in_flight: int, step_outputs: int, *, capacity: int = 128,
+                 acks: bool = True) -> None:
+        """``capacity``: each engine's (its HELLO); ``acks``: the client acknowledges results (without, the
+        coordinator forgets a request as it delivers its result)."""
         self.core = CoordinatorCore()
         self.in_flight = in_flight
         self.step_outputs = step_outputs
@@ -48,11 +51,11 @@ class Replay:
         self.inbox: dict[bytes, list[bytes]] = {}
         self.seconds = 0.0  # the coordinator's share only
         self.submitted = 0
-        self.coordinator(CLIENT, encode(Header.HELLO, {"role": "client", "client_id": "bench", "acks": True,
+        self.coordinator(CLIENT, encode(Header.HELLO, {"role": "client", "client_id": "bench", "acks": acks,
                                                        "protocol": PROTOCOL_VERSION}))
         for group, engine in enumerate(self.engines):
             self.coordinator(engine, encode(Header.HELLO, {
-                "role": "engine", "engine_group": group, "capacity": 128, "info": {"kv_blocks_total": 1024},
+                "role": "engine", "engine_group": group, "capacity": capacity, "info": {"kv_blocks_total": 1024},
                 "protocol": PROTOCOL_VERSION}))
             self.engine_ids[engine] = self.received(engine)[0].body.engine_id
         self.inbox.clear()

@@ -17,13 +17,22 @@ from ..wire.tenancy import CLASSES, STANDARD_BAND
 
 
 class Assigned:
-    """Request keys of one engine, with the band each was dispatched in (a set's interface, plus :meth:`held`)."""
+    """Request keys of one engine, with the band each was dispatched in (a set's interface, plus :meth:`held`).
 
-    __slots__ = ("_bands", "_counts")
+    Once dispatch has seen it, a request that leaves adds the engine's id to the core's set of engines that gained
+    room (:meth:`report_to`): a dispatch into a full fleet looks at those only, not at every engine."""
+
+    __slots__ = ("_bands", "_counts", "_freed", "_owner")
 
     def __init__(self) -> None:
         self._bands: dict[str, int] = {}
         self._counts = [0] * len(CLASSES)
+        self._freed: set[str] | None = None
+        self._owner = ""
+
+    def report_to(self, freed: set[str], owner: str) -> None:
+        """Add ``owner`` (its engine's id) to ``freed`` whenever a request leaves."""
+        self._freed, self._owner = freed, owner
 
     def add(self, key: str, band: int = STANDARD_BAND) -> None:
         """Count ``key`` in ``band`` (again in its new band if it was held already)."""
@@ -35,8 +44,12 @@ class Assigned:
         band = self._bands.pop(key, None)
         if band is not None:
             self._counts[band] -= 1
+            if self._freed is not None:
+                self._freed.add(self._owner)
 
     def clear(self) -> None:
+        if self._bands and self._freed is not None:
+            self._freed.add(self._owner)
         self._bands.clear()
         self._counts = [0] * len(CLASSES)
 

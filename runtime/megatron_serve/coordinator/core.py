@@ -139,6 +139,8 @@ class CoordinatorCore:
         self.verbs = VerbRunner(self)
         self.liveness = liveness.Liveness()
         self.registrations = 0
+        self.dispatch_blocked: tuple[object, ...] | None = None  # dispatch found no room then (dispatch.room_key)
+        self.freed: set[str] = set()  # engines a request left since (their Assigned reports them: dispatch)
         self.stale_outputs = 0
         self.drop = DropLog()
         self._out: list[Effect] = []

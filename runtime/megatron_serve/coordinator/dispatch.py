@@ -29,14 +29,19 @@ from ..wire.tenancy import WORST_BAND, band_of
 from .core_view import CoreView
 from .disaggregation import Handoffs
 from .peers import EngineRecord
-from .requests import RequestRecord
+from .requests import Phase, RequestRecord
 from .routing import adapter_candidates
 
 
 class Dispatching(CoreView, Protocol):
-    """The core as dispatch sees it: its view, and the requests between their prefill and decode engines."""
+    """The core as dispatch sees it: its view, the requests between their prefill and decode engines, and what the
+    fleet looked like when dispatch last found no engine with room (:func:`room_key`)."""
 
     handoffs: Handoffs
+    dispatch_blocked: tuple[object, ...] | None
+    freed: set[str]  # engines a request left since the last pass (their Assigned report here)
+    registrations: int
+    refits: int
 
 
 def wire_record(record: RequestRecord) -> EngineRequestOut:
@@ -57,7 +62,13 @@ def wire_record(record: RequestRecord) -> EngineRequestOut:
 
 
 def dispatch(core: Dispatching, now: float) -> None:
-    """Send queued requests to engines, in queue order, until the queue or the engines' room runs out."""
+    """Send queued requests to engines, in queue order, until the queue or the engines' room runs out.
+
+    Once a pass found no engine with room, the next looks only at the engines a request left since (each engine's
+    :class:`~.assigned.Assigned` reports to ``core.freed``), until an engine registers or the fleet's weights move
+    (:func:`room_key`): a heartbeat, a SUBMIT into a full fleet or a step of one engine costs what changed, not a scan
+    of every engine (2.7 ms per heartbeat at 1,000 engines). Tenants' requests always look at every engine (a better
+    band finds room that a worse one does not)."""
     if core.state is not FleetState.RUNNING or not core.engines:
         return
     factor = core.dispatch_factor
@@ -65,16 +76,30 @@ def dispatch(core: Dispatching, now: float) -> None:
     def room(engine: EngineRecord) -> bool:
         return engine.load < max(1, int(engine.capacity * factor))
 
+    def usable(engine: EngineRecord) -> bool:
+        return not engine.draining and not engine.stopping and core.serves_fleet_weights(engine)
+
     core.sessions.expire(now)
-    eligible = [e for e in core.engines.values() if not e.draining and not e.stopping and core.serves_fleet_weights(e)]
-    candidates = [e for e in eligible if room(e)]
     table = core.requests
+    if not table.count(Phase.QUEUED):
+        return
+    key = room_key(core)
+    if core.dispatch_blocked == key and not table.fair:
+        look = [engine for key_ in core.freed if (engine := core.engines.get(key_)) is not None]
+    else:
+        look = list(core.engines.values())
+        for engine in look:
+            engine.assigned.report_to(core.freed, engine.engine_id)
+    core.freed.clear()
+    candidates = [e for e in look if room(e) and usable(e)]
+    core.dispatch_blocked = None
     if not candidates and not table.fair:
+        core.dispatch_blocked = key  # every engine full: the next pass looks at those a request leaves
         return
     while (record := table.next_queued(now)) is not None:
         if record.pinned is not None:
             engine = core.engines.get(record.pinned)
-            if engine is not None and engine not in eligible:
+            if engine is not None and not usable(engine):
                 return  # draining (it will leave: then it fails) or loading the fleet's weights: held
             band = table.head_band
             table.pop_queued()
@@ -87,8 +112,12 @@ def dispatch(core: Dispatching, now: float) -> None:
             continue
         pool = candidates
         if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
+            if not table.fair:
+                core.dispatch_blocked = key  # the last engine with room just filled
+                return
             band = table.head_band
-            pool = [] if band is None or band >= WORST_BAND else [e for e in eligible if band_room(core, e, band)]
+            pool = [] if band is None or band >= WORST_BAND else [e for e in look if usable(e) and
+                                                                   band_room(core, e, band)]
             if not pool:
                 return
         engines = core.handoffs.candidates(core, record, pool)  # prefill or decode (disaggregation)
@@ -106,6 +135,13 @@ def dispatch(core: Dispatching, now: float) -> None:
         send(core, record, engine, now, band)
         if not room(engine) and engine in candidates:
             candidates.remove(engine)
+
+
+def room_key(core: Dispatching) -> tuple[object, ...]:
+    """What moves whenever an engine may have become usable other than by a request leaving it: an engine registered
+    or left, the fleet's weights moved (a refit makes an engine that caught up eligible). Draining and stopping only
+    take room away."""
+    return core.registrations, len(core.engines), core.epoch, core.weights_source, core.refits
 
 
 def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float, band: int | None) -> None:

@@ -1,0 +1,150 @@
+"""The coordinator at fleet scale: 10 to 1,000 simulated engines and 10^3 to 10^6 queued requests.
+
+Grows ``coordinator_core.py``'s replay (the coordinator's core and frame codec in this process, every input a real
+wire frame, decoded as the coordinator process decodes it; only the coordinator's share is timed) to sizes a fleet
+past one machine reaches. Per size, in this order:
+
+* **admission**: one client submits every request, in BATCH frames of 256 SUBMITs; the engines' room fills at once
+  and the rest waits: CPU per request admitted, and the process's memory per request held (RSS, after a
+  collection);
+* **heartbeats**: every engine sends one (with its running and waiting counts): CPU per heartbeat, and one STATUS
+  of the whole fleet;
+* **steady state**: the engines answer what they hold, ``--step-outputs`` requests per ENGINE_STEP, each finished
+  with one token, and each step's freed room is dispatched from the head of the deep queue in the same input:
+  CPU per request (its finish, its result, the dispatch of the next), and each step's handling time at p50/p99,
+  the latency from a freed slot to its next request sent.
+
+The claim is the ratio from the smallest queue to the largest at 1,000 engines (docs/benchmarks.md). Simulated
+engines answer at once: what is measured is the coordinator, not a model.
+
+    python benchmarks/fleet_scale.py                                   # the table: 10/100/1,000 engines, 10^3-10^6
+    python benchmarks/fleet_scale.py --engines 10 --queued 1000 --completions 2000   # the suite's smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from coordinator_core import CLIENT, Replay
+from megatron_serve.coordinator.requests import Phase
+from megatron_serve.wire.protocol import Header, encode
+
+SUBMIT_BATCH = 256
+CAPACITY = 8  # requests each simulated engine runs at once; the coordinator keeps 2x that on it (dispatch_factor)
+
+
+@dataclass
+class Row:
+    engines: int
+    queued: int  # requests waiting in the coordinator after admission
+    admit_us: float  # CPU per request admitted
+    bytes_per_request: float  # RSS per request held
+    heartbeat_us: float
+    status_ms: float  # one STATUS of the whole fleet
+    request_us: float  # steady state: CPU per request (finish, result, next dispatch)
+    step_p50_ms: float
+    step_p99_ms: float
+
+    def line(self) -> str:
+        return (f"| {self.engines:,} | {self.queued:,} | {self.admit_us:.1f} | {self.bytes_per_request:,.0f} | "
+                f"{self.heartbeat_us:.1f} | {self.status_ms:.1f} | {self.request_us:.1f} | {self.step_p50_ms:.3f} | "
+                f"{self.step_p99_ms:.3f} |")
+
+
+HEADER = ("| engines | queued | admission us/request | memory bytes/request | heartbeat us | STATUS ms | "
+          "steady us/request | step p50 ms | step p99 ms |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(engines: int, total: int, completions: int, step_outputs: int) -> Row:
+    """One size: ``engines`` engines, ``total`` requests submitted, ``completions`` finished in the steady state."""
+    replay = Replay(engines, 0, step_outputs, capacity=CAPACITY, acks=False)
+    core = replay.core
+    gc.collect()
+    before = rss()
+    submitted = 0
+    while submitted < total:
+        for frame in replay.submits(min(SUBMIT_BATCH, total - submitted), []):
+            replay.coordinator(CLIENT, frame)
+        submitted = replay.submitted
+    admit = replay.seconds / total
+    gc.collect()
+    held = len(core.requests)
+    per_request = (rss() - before) / held
+    queued = core.requests.count(Phase.QUEUED)
+    held_by = {engine: _submitted(replay, engine) for engine in replay.engines}  # what admission sent each
+
+    replay.seconds = 0.0
+    for engine in replay.engines:
+        replay.coordinator(engine, encode(Header.HEARTBEAT, {"running": CAPACITY, "waiting": CAPACITY,
+                                                             "kv_blocks_free": 512, "kv_blocks_total": 1024}))
+    heartbeat = replay.seconds / engines
+    replay.seconds = 0.0
+    replay.coordinator(CLIENT, encode(Header.STATUS, {"status_id": 1}))
+    status = replay.seconds
+    replay.inbox.clear()  # heartbeat answers and the STATUS reply
+
+    replay.seconds = 0.0
+    steps: list[float] = []
+    done = 0
+    while done < completions and any(held_by.values()):
+        for engine in replay.engines:
+            ids, held_by[engine] = held_by[engine][:step_outputs], held_by[engine][step_outputs:]
+            if not ids:
+                continue
+            began = replay.seconds
+            replay.coordinator(engine, encode(Header.ENGINE_STEP, {
+                "engine_id": replay.engine_ids[engine],
+                "outputs": [{"request_id": rid, "new_tokens": [7], "finished": True} for rid in ids],
+                "records": {rid: {"request_id": rid, "status": "COMPLETED", "finish_reason": "length"}
+                            for rid in ids}}))
+            steps.append(replay.seconds - began)
+            held_by[engine] += _submitted(replay, engine)
+            done += len(ids)
+        replay.inbox.pop(CLIENT, None)  # the results: the client's to read, not timed
+    steps.sort()
+    return Row(engines, queued, admit * 1e6, per_request, heartbeat * 1e6, status * 1e3, replay.seconds / done * 1e6,
+               statistics.median(steps) * 1e3, steps[min(len(steps) - 1, int(len(steps) * 0.99))] * 1e3)
+
+
+def _submitted(replay: Replay, engine: bytes) -> list[str]:
+    """The request ids the coordinator sent ``engine`` since the last look."""
+    return [msgspec.msgpack.decode(m.body.request)["request_id"] for m in replay.received(engine)
+            if m.header is Header.ENGINE_SUBMIT]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="10,100,1000", help="comma-separated engine counts")
+    parser.add_argument("--queued", default="1000,100000,1000000",
+                        help="comma-separated request counts (the largest only with the most engines)")
+    parser.add_argument("--completions", type=int, default=32_000, help="requests finished in each steady state")
+    parser.add_argument("--step-outputs", type=int, default=CAPACITY, help="requests finished per ENGINE_STEP")
+    args = parser.parse_args()
+    engine_counts = [int(v) for v in args.engines.split(",")]
+    sizes = [int(v) for v in args.queued.split(",")]
+    for name, values in (("--engines", engine_counts), ("--queued", sizes)):
+        if not values or min(values) < 1:
+            raise SystemExit(f"{name} needs positive counts, got {values}")
+    print(HEADER, flush=True)
+    for engines in engine_counts:
+        for total in sizes:
+            if total == max(sizes) and engines != max(engine_counts) and len(sizes) > 1:
+                continue  # the largest queue at the largest fleet only: the claim's row, in bounded time
+            row = measure(engines, total, min(args.completions, total), args.step_outputs)
+            print(row.line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
