@@ -36,7 +36,7 @@ DTYPES = ["bfloat16", "float16", "float32"]
 ROUTINGS = ["least_loaded", "round_robin", "prefix_affinity"]
 QUANTIZATIONS = ["none", "fp8"]  # the engine's --quantization (none: the checkpoint as it is)
 KV_CACHE_DTYPES = ["auto", "fp8"]  # the engine's --kv-cache-dtype
-CONDITION_TYPES = ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "SpecValid"]
+CONDITION_TYPES = ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "Progressing", "SpecValid"]
 
 COORDINATOR_PORT = 5555
 # Longest resource name: "<name>-engine-<g>" must stay a valid StatefulSet name whose pods'

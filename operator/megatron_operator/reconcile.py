@@ -17,12 +17,15 @@
 
 from __future__ import annotations
 
+import copy
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import leader_worker_set as lws
-from . import disruption, kv_node, names, render
+from . import disruption, kv_node, names, render, templates
 from .kube import Kube, KubeError
+from .rollout_deadline import Halted, stamp, waited
 
 Event = tuple[str, str, str]  # (type, reason, message)
 
@@ -106,6 +109,15 @@ def group_ready(sts: dict[str, Any] | None, pods: int) -> bool:
     return settled(sts)
 
 
+def on_template(obj: dict[str, Any], live: dict[str, Any]) -> bool:
+    """Whether the live workload runs the rendered workload ``obj``'s pod template: it holds all of it, and the
+    template it was last given (its recorded hash, where it has one) is this one (:mod:`.templates`)."""
+    key = WORKLOADS[obj["kind"]][1]
+    recorded = templates.recorded_hash(live)
+    return contains(obj["spec"][key], (live.get("spec") or {}).get(key)) and \
+        recorded in (None, templates.template_hash(obj["spec"][key]))
+
+
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
@@ -117,6 +129,8 @@ class ChildrenResult:
     events: list[Event] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)  # groups waiting for their turn to roll
+    rolling: list[str] = field(default_factory=list)  # groups on a new template, not Ready yet
+    halted: list[Halted] = field(default_factory=list)  # those of them past spec.rollout.progressDeadlineSeconds
 
 
 class Reconciler:
@@ -128,23 +142,33 @@ class Reconciler:
         return await self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
     async def children(self, desired: list[dict[str, Any]], *, name: str, namespace: str,
-                       uid: str | None, leader_worker_set: bool = False) -> ChildrenResult:
+                       uid: str | None, leader_worker_set: bool = False, progress_deadline_seconds: int | None = None,
+                       now: datetime.datetime | None = None) -> ChildrenResult:
         """Create or patch ``desired``; delete engine objects it no longer holds (``leader_worker_set``: the
-        cluster serves LeaderWorkerSets, which are looked for too)."""
+        cluster serves LeaderWorkerSets, which are looked for too). A group on a new template and not Ready
+        ``progress_deadline_seconds`` after it got it is reported in ``halted`` (:mod:`.rollout_deadline`)."""
         result = ChildrenResult()
+        now = now or datetime.datetime.now(datetime.timezone.utc)
         # one at a time: no extra tasks (kopf re-raises from tasks still running when it stops)
         live_by_key = {_key(obj): await self._get(obj) for obj in desired}
 
         # Which engine groups are already on their new template but not up yet: while one is,
-        # no other group's template is replaced.
+        # no other group's template is replaced. Else one group takes its new template this pass: a group that is
+        # not Ready first (a halted rollout's, when the spec is reverted), then the lowest.
         rolling: set[str] = set()
+        waiting: list[tuple[bool, int, str]] = []  # (Ready, group, name) of the groups whose template differs
         for obj in desired:
             live = live_by_key[_key(obj)]
             if obj["kind"] in WORKLOADS and live is not None and controller_uid(live) in (None, uid):
-                key = WORKLOADS[obj["kind"]][1]
-                if contains(obj["spec"][key], (live.get("spec") or {}).get(key)) \
-                        and int(obj["spec"]["replicas"]) > 0 and not settled(live):
+                if not on_template(obj, live):
+                    waiting.append((settled(live), group_of(obj) or 0, obj["metadata"]["name"]))
+                elif int(obj["spec"]["replicas"]) > 0 and not settled(live):
                     rolling.add(obj["metadata"]["name"])
+                    seconds = waited(live, now)
+                    if progress_deadline_seconds is not None and seconds is not None \
+                            and seconds > progress_deadline_seconds:
+                        result.halted.append(Halted(obj["metadata"]["name"], seconds, progress_deadline_seconds))
+        turn = None if rolling or not waiting else min(waiting)[2]
 
         for obj in desired:
             key = _key(obj)
@@ -162,20 +186,25 @@ class Reconciler:
             patch = diff(obj, live)
             if obj["kind"] == "Secret" and render.TOKEN_KEY in (live.get("data") or {}):
                 patch.pop("data", None)  # the token of an existing Secret is never rotated
-            if obj["kind"] in WORKLOADS and WORKLOADS[obj["kind"]][1] in patch.get("spec", {}):
-                others_rolling = rolling - {obj["metadata"]["name"]}
-                if others_rolling:
-                    patch["spec"].pop(WORKLOADS[obj["kind"]][1])
-                    if not patch["spec"]:
-                        patch.pop("spec")
+            if obj["kind"] in WORKLOADS and not on_template(obj, live):
+                template_key = WORKLOADS[obj["kind"]][1]
+                patch.setdefault("spec", {}).pop(template_key, None)
+                if obj["metadata"]["name"] != turn:
                     result.deferred.append(obj["metadata"]["name"])
-                else:
+                else:  # exactly the rendered template (a key the spec dropped goes too), stamped
+                    patch["spec"][template_key] = templates.exact(obj["spec"][template_key],
+                                                                  (live.get("spec") or {}).get(template_key))
+                    templates.mark(patch, obj["spec"][template_key])
                     rolling.add(obj["metadata"]["name"])
+                    stamp(patch, now)
+                if not patch["spec"]:
+                    patch.pop("spec")
             if not patch:
                 result.live[key] = live
                 continue
             result.live[key] = await self._patch(obj, patch, live, result)
 
+        result.rolling = sorted(rolling)
         kinds = [("apps/v1", "StatefulSet"), ("v1", "Service")]
         if leader_worker_set:
             kinds.insert(1, (lws.API_VERSION, lws.KIND))
@@ -201,6 +230,9 @@ class Reconciler:
 
     async def _create(self, obj: dict[str, Any], result: ChildrenResult) -> dict[str, Any] | None:
         label = f"{obj['kind']} {obj['metadata']['name']}"
+        if obj["kind"] in WORKLOADS:  # the template it starts with, for the next change to compare with
+            obj = copy.deepcopy(obj)
+            templates.mark(obj, obj["spec"][WORKLOADS[obj["kind"]][1]])
         try:
             created = await self.kube.create(obj)
         except KubeError as exc:

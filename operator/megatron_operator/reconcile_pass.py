@@ -36,6 +36,7 @@ from .kube import Kube
 from .lifecycle_walk import walk
 from .reconcile import Event, Reconciler, group_ready
 from .refit_policy import recorded_model, sync_weights
+from .rollout_deadline import pod_reason
 from .scheduling import unschedulable
 from .spec import InferenceSpec, SpecError, parse
 
@@ -144,7 +145,8 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     desired = render.render_spec(rendered, config, token=token, engines_stopped=engines_stopped,
                                  leader_worker_set=leader_worker_set)
     children = await Reconciler(kube).children(desired, name=name, namespace=namespace, uid=uid,
-                                               leader_worker_set=leader_worker_set)
+                                               leader_worker_set=leader_worker_set,
+                                               progress_deadline_seconds=spec.progress_deadline_seconds)
     events.extend(children.events)
     events.extend(("Warning", "Conflict", f"{label} exists and is controlled by another owner; left alone")
                   for label in children.conflicts)
@@ -180,6 +182,12 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     if obs.engines_ready < obs.engines_desired:
         obs.engines_unschedulable = unschedulable(
             await kube.list("v1", "Pod", namespace, names.engine_pod_selector(name)))
+    obs.rolling = ", ".join(children.rolling)
+    if children.halted:  # spec.rollout.progressDeadlineSeconds: the first group past it, in its pods' words
+        halted = children.halted[0]
+        pods = await kube.list("v1", "Pod", namespace, names.engine_pod_selector(name))
+        obs.rollout_halted = halted.message(pod_reason([p for p in pods if p["metadata"]["name"].startswith(
+            f"{halted.workload}-")]))
     connected = connected_groups(coordinator_status) if obs.coordinator_ok else set()
     obs.engines_connected = len({g for g in connected if 0 <= g < spec.data})
     new = status.compute(previous, obs)
@@ -271,4 +279,6 @@ def status_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
         if cond["type"] == "CoordinatorReady" and cond["status"] == "False" \
                 and old_cond.get("CoordinatorReady") == "True":
             events.append(("Warning", "CoordinatorUnreachable", cond.get("message", "")))
+        if cond["type"] == "Progressing" and cond["status"] == "False" and old_cond.get("Progressing") != "False":
+            events.append(("Warning", "RolloutHalted", cond.get("message", "")))
     return events

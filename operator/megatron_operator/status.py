@@ -43,6 +43,8 @@ class Observation:
     groups: list[dict[str, Any]] | None = None  # status.groups: the gangs' ranks (None: no gangs)
     roles: list[dict[str, Any]] | None = None  # status.roles: each group's prefill/decode part (None: colocated)
     kv_events: dict[str, Any] | None = None  # status.kvEvents: where the engines' KV events are (None: not published)
+    rolling: str = ""  # the engine groups on their current template and not Ready yet ("": none)
+    rollout_halted: str = ""  # why the rollout is halted (spec.rollout.progressDeadlineSeconds; "": it is not)
 
 
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -129,7 +131,17 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
             "Synced" if synced else ("Failed" if obs.lifecycle_error else "Pending"),
             obs.lifecycle_message, gen, now),
     }
-    not_ready = [t for t in ("CoordinatorReady", "EnginesReady", "LifecycleSynced") if c[t]["status"] != "True"]
+    if obs.rollout_halted:
+        c["Progressing"] = _condition(prev_conditions, "Progressing", False, "ProgressDeadlineExceeded",
+                                      obs.rollout_halted, gen, now)
+    elif obs.rolling:
+        c["Progressing"] = _condition(prev_conditions, "Progressing", True, "GroupsUpdating",
+                                      f"not Ready yet on their current template: {obs.rolling}", gen, now)
+    else:
+        c["Progressing"] = _condition(prev_conditions, "Progressing", True, "Complete",
+                                      "every engine group is on its current template", gen, now)
+    not_ready = [t for t in ("CoordinatorReady", "EnginesReady", "LifecycleSynced", "Progressing")
+                 if c[t]["status"] != "True"]
     c["Ready"] = _condition(prev_conditions, "Ready", not not_ready,
                             "AllReady" if not not_ready else f"{not_ready[0]}False",
                             "all conditions are met" if not not_ready else c[not_ready[0]]["message"], gen, now)

@@ -63,7 +63,7 @@ async def test_kubectl_apply_patch_scale_delete(cluster):
     status = json.loads(await kubectl(cluster, "get", "mi", "rollout", "-o", "json"))["status"]
     assert status["endpoint"] == "http://rollout.default.svc:8000/v1"
     assert {c["type"] for c in status["conditions"]} == {"Ready", "CoordinatorReady", "EnginesReady",
-                                                         "LifecycleSynced", "SpecValid"}
+                                                         "LifecycleSynced", "Progressing", "SpecValid"}
     assert "rollout" in await kubectl(cluster, "get", "megatroninferences", "-o", "name")
 
     await kubectl(cluster, "delete", "mi", "rollout", "--wait=false")

@@ -58,7 +58,7 @@ def test_status_phases_and_stable_timestamps():
     ready = status.compute(None, obs(), now="2026-01-01T00:00:00Z")
     assert ready["phase"] == "Ready" and ready["observedGeneration"] == 1
     assert {c["type"]: c["status"] for c in ready["conditions"]} == dict.fromkeys(
-        ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "SpecValid"], "True")
+        ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "Progressing", "SpecValid"], "True")
     # nothing new: the same status, nothing to write
     again = status.compute(ready, obs(), now="2026-01-01T00:01:00Z")
     assert status.changes(ready, again) == {}
