@@ -11,7 +11,10 @@ process (an in-process server, ``/inference/v1/generate``, the body the replica'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +25,11 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..server.conftest import surface
+
+#: Seconds verl's run may take (its references come before it, in this module's own budget below).
+VERL_BUDGET_S = 600
+#: The module's budget: the references, verl's run, and room to end what it left (the suite's default is 360 s).
+pytestmark = pytest.mark.timeout(VERL_BUDGET_S + 300)
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
@@ -55,11 +63,42 @@ def rollout(tmp_path_factory) -> SimpleNamespace:
     prompts = [tokenizer.encode(text) for text in TEXTS]
     reference = SimpleNamespace(a=asyncio.run(_served(a, prompts)), b=asyncio.run(_served(b, prompts)))
     assert reference.a != reference.b
-    (root / "work").mkdir()
-    verl = subprocess.run([str(VENV_PYTHON), str(SCRIPT), a, b, json.dumps(prompts), str(root / "work")],
-                          capture_output=True, stdin=subprocess.DEVNULL, text=True, cwd=ROOT, timeout=600)
-    assert verl.returncode == 0, f"verl_rollout.py exited {verl.returncode}:\n{verl.stderr[-6000:]}"
-    return SimpleNamespace(**json.loads(verl.stdout.splitlines()[-1]), reference=reference)
+    work = root / "work"
+    work.mkdir()
+    verl = subprocess.Popen([str(VENV_PYTHON), str(SCRIPT), a, b, json.dumps(prompts), str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        stdout, stderr = verl.communicate(timeout=VERL_BUDGET_S)
+    except subprocess.TimeoutExpired:
+        verl.kill()
+        stdout, stderr = verl.communicate()
+        pytest.fail(f"verl_rollout.py ran past its {VERL_BUDGET_S} s:\n{stderr[-6000:]}")
+    finally:
+        left = end_ray(verl, work)
+    assert verl.returncode == 0, f"verl_rollout.py exited {verl.returncode}:\n{stderr[-6000:]}"
+    assert left == [], f"Ray processes left running after verl_rollout.py (ended now): {left}"
+    return SimpleNamespace(**json.loads(stdout.splitlines()[-1]), reference=reference)
+
+
+def end_ray(driver: subprocess.Popen, work: Path) -> list[str]:
+    """End what the verl run left: its process group, then any process whose command line names its work directory
+    (Ray's own start sessions of their own); the command lines of those that were still running."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(driver.pid, signal.SIGKILL)
+    left = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if str(work) in command:
+            left.append(command[:200])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+    return left
 
 
 def _ids(outputs: list[dict]) -> list[list[int]]:

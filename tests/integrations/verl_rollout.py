@@ -98,7 +98,8 @@ async def main(model_a: str, model_b: str, prompts: list[list[int]], work: Path)
 
 if __name__ == "__main__":
     model_a, model_b, prompts_json, work_dir = sys.argv[1:5]
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    # Ray's processes keep their session under the run's work directory: the test finds any left behind by it
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=str(Path(work_dir) / "ray"))
     try:
         result = asyncio.run(main(model_a, model_b, json.loads(prompts_json), Path(work_dir)))
     finally:
