@@ -78,6 +78,11 @@ def test_example_layout_runs_on_nodes_with_room(fleet: Fleet, name: str):
     assert kinds == {"StatefulSet"}, kinds  # the controllers' pods (LWS makes its pods through StatefulSets too)
     until(lambda: ((fleet.mi(mi_name) or {}).get("status") or {}).get("engines", {}).get("ready") == shape.data,
           60, f"status.engines.ready == {shape.data}")
+    if shape.gang:  # a gang is a LeaderWorkerSet where the cluster runs that controller, made into pods by it
+        served = "leaderworkersets" in kubectl.run("api-resources", "--api-group=leaderworkerset.x-k8s.io").stdout
+        groups = until(lambda: ((fleet.mi(mi_name) or {}).get("status") or {}).get("groups"), 30, "status.groups")
+        assert {g["workload"] for g in groups} == {"LeaderWorkerSet" if served else "StatefulSet"}, groups
+        assert all(g["ready"] and len(g["ranks"]) == shape.pods_per_group for g in groups), groups
 
 
 def test_a_layout_no_node_fits_stays_pending_and_the_status_says_why(fleet: Fleet):
