@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import leader_worker_set as lws
-from . import disruption, kv_node, names, render, templates
+from . import disruption, kv_node, names, quantities, render, templates
 from .kube import Kube, KubeError
 from .rollout_deadline import Halted, stamp, waited
 
@@ -44,16 +44,25 @@ def _scalar_equal(want: Any, have: Any) -> bool:
 
 
 def contains(want: Any, have: Any) -> bool:
-    """Whether ``have`` (live) already holds everything ``want`` (rendered) says."""
+    """Whether ``have`` (live) already holds everything ``want`` (rendered) says; quantities by value, as the API
+    server stores them in another spelling (:mod:`.quantities`)."""
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return False
-        return all(key in have and contains(value, have[key]) for key, value in want.items())
+        return all(key in have and _holds(key, value, have[key]) for key, value in want.items())
     if isinstance(want, list):
         if not isinstance(have, list) or len(want) != len(have):
             return False
         return all(contains(w, h) for w, h in zip(want, have))
     return _scalar_equal(want, have)
+
+
+def _holds(key: str, want: Any, have: Any) -> bool:
+    if key in quantities.QUANTITY_MAPS and quantities.map_contains(want, have):
+        return True
+    if key in quantities.QUANTITY_FIELDS and quantities.equal(want, have):
+        return True
+    return contains(want, have)
 
 
 def diff(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any]:

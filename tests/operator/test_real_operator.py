@@ -162,3 +162,25 @@ def test_operator_killed_mid_reconcile_converges_when_restarted(fleet: Fleet):
     until(lambda: ((fleet.mi(NAME) or {}).get("status") or {}).get("engines", {}).get("ready") == 1, 60,
           "the status written by the new process")
     assert "Traceback" not in second.log(), second.log()[-3000:]
+
+
+def test_quantities_the_server_rewrites_cause_no_writes_after_ready(fleet: Fleet):
+    """Resources spelled otherwise than the API server stores them ("0.5" CPU as "500m", "2048Mi" as "2Gi"): once
+    the fleet is up, further passes patch nothing and post no Updated Event (they did, every pass, when the
+    operator compared quantities as text)."""
+    kubectl = fleet.kubectl
+    resource = example("single-gpu.yaml", kubectl.namespace)
+    resource["spec"]["engine"]["resources"] = {"requests": {"cpu": "0.5", "memory": "1.5Gi"},
+                                               "limits": {"memory": "2048Mi"}}
+    resource["spec"]["coordinator"] = {"resources": {"requests": {"cpu": "1000m"}}}
+    fleet.prerequisites(resource)
+    operator = fleet.operator()
+    kubectl.apply([resource])
+    until(lambda: _placed(fleet, 1), 90, "the engine pod Running on a GPU node")
+    live = kubectl.get("statefulset", f"{NAME}-engine-0")
+    assert live["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "500m"
+    passes = operator.log().count("Timer 'on_timer' succeeded")
+    until(lambda: operator.log().count("Timer 'on_timer' succeeded") >= passes + 5, 60, "five more passes")
+    updated = [e["message"] for e in kubectl.events(NAME) if e.get("reason") == "Updated"]
+    assert updated == []
+    assert kubectl.get("statefulset", f"{NAME}-engine-0")["metadata"]["generation"] == live["metadata"]["generation"]
