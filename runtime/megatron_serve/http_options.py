@@ -9,6 +9,7 @@ commands can build and check it before anything starts.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +29,22 @@ class CORS:
     methods: tuple[str, ...] = ("*",)
     headers: tuple[str, ...] = ("*",)
     credentials: bool = False
+
+
+@dataclass(frozen=True)
+class WakeOptions:
+    """Scale from zero (:mod:`megatron_serve.server.wake`): ``timeout``, how long a request waits for a first engine
+    (``--scale-from-zero-timeout``); ``queue``, how many may wait at once (``--scale-from-zero-queue``; 0: none, a
+    503 at once)."""
+
+    timeout: float = 300.0
+    queue: int = 256
+
+    def __post_init__(self) -> None:
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(f"--scale-from-zero-timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if isinstance(self.queue, bool) or not isinstance(self.queue, int) or self.queue < 0:
+            raise ValueError(f"--scale-from-zero-queue must be an integer >= 0, got {self.queue!r}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class HTTPOptions:
     metrics_compat: Literal["vllm", "none"] = "vllm"
     docs: bool = True
     weight_transfer_backend: Literal["nccl", "gloo"] | None = None
+    wake: WakeOptions = field(default_factory=WakeOptions)  # requests held while no engine is registered
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -89,7 +107,8 @@ class HTTPOptions:
                    log_stats=not args.disable_log_stats, uvicorn_log_level=args.uvicorn_log_level,
                    access_log=not args.disable_uvicorn_access_log, metrics_compat=args.metrics_compat,
                    docs=not args.disable_fastapi_docs,
-                   weight_transfer_backend=(args.weight_transfer_config or {}).get("backend"))
+                   weight_transfer_backend=(args.weight_transfer_config or {}).get("backend"),
+                   wake=WakeOptions(args.scale_from_zero_timeout, args.scale_from_zero_queue))
 
 
 #: The Gateway API Inference Extension's header naming a request's tenant (its fairness id).

@@ -9,6 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from megatron_serve.wire.engine_stats import EPLB, KV_DISK, KV_OFFLOAD, KV_TRANSFER, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
+from megatron_serve.http_options import WakeOptions
+from megatron_serve.server.wake import WakeCollector, WakeGate
 from megatron_serve.server.metrics import ServerMetrics
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestEvent
 
@@ -34,6 +36,7 @@ def engine(group: int, report: dict[str, Any] | None) -> dict[str, Any]:
 
 def scrape(engines: list[dict[str, Any]]) -> dict[str, Any]:
     metrics = ServerMetrics(Monitor(engines), lambda: 0, "llama")  # type: ignore[arg-type]
+    metrics.add_collector(WakeCollector(WakeGate(Monitor(engines), WakeOptions())))  # type: ignore[arg-type] - as app
     metrics.http_requests.labels("/v1/completions", "200").inc()
     metrics.tpot.observe(0.01)
     metrics.enable_tenants()  # a server with tenants (docs/tenants.md): its per-tenant series

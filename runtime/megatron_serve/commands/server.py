@@ -82,6 +82,12 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for this "
                     "long; then the rest end with an error (a second signal stops at once); vLLM's "
                     "--shutdown-timeout (whose default, 0, aborts them at once)")
+    group.add_argument("--scale-from-zero-timeout", type=float, default=300.0, metavar="S",
+                       help="while no engine is registered (a fleet scaled to zero), a request waits this long for "
+                            "one, then gets 503 no_engine with Retry-After; megatron_serve_engine_groups_wanted is 1 "
+                            "while any waits (docs/kubernetes/autoscaling.md)")
+    group.add_argument("--scale-from-zero-queue", type=int, default=256, metavar="N",
+                       help="requests that may wait for a first engine at once; past it 503 no_engine at once")
     group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
                        help="a lost coordinator has this long to come back before the requests in flight end with "
                             "an error (503, or an error event in a stream); back in time, they go on")

@@ -57,6 +57,7 @@ from .tenants import TenancyOptions, tenant_table
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
 from .vllm_metrics import VllmCollector
+from .wake import WakeCollector, WakeGate
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -152,6 +153,8 @@ def create_app(
                         stream_interval=stream_interval, configured_adapters=dict(lora_modules or {}))
     if tenants is not None:
         ctx.tenancy = Tenancy(tenants, tenancy or TenancyOptions(), monitor, metrics, lambda: pending.value)
+    ctx.wake = WakeGate(monitor, options.wake)  # scale from zero: requests wait for a first engine
+    metrics.add_collector(WakeCollector(ctx.wake))
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServerApp(title="megatron-serve", version=__version__, summary=_SUMMARY, lifespan=_lifespan(ctx), **docs)

@@ -21,6 +21,7 @@ from .metrics import ServerMetrics
 from .request_log import RequestLog
 from .tenant_admission import Tenancy
 from .translate import EngineJob
+from .wake import WakeGate
 
 
 @dataclass
@@ -51,6 +52,8 @@ class ServerContext:
     live: LiveSubmissions = field(default_factory=LiveSubmissions)
     #: The tenants, their limits and the fleet's saturation (None: no tenants configured; :mod:`.tenant_admission`).
     tenancy: Tenancy | None = None
+    #: Requests held while no engine is registered (None: none are held; :mod:`.wake`).
+    wake: WakeGate | None = None
 
     @property
     def accepts_images(self) -> bool:

@@ -72,6 +72,8 @@ async def _answer(ctx: ServerContext, handler_type: Handler, request: Request) -
         else:
             handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
         place(handler.jobs, placement)
+        if ctx.wake is not None:  # no engine registered (scaled to zero): wait for one, bounded (:mod:`.wake`)
+            await ctx.wake.hold()
         ctx.request_log.received(handler)
         return await (handler.stream() if handler.req.stream else handler.complete())
 

@@ -202,6 +202,13 @@ SERIES: tuple[Series, ...] = (
            "vllm:request_time_per_output_token_seconds", "seconds"),
     Series("server_pending_requests", "gauge", "engine requests this server is waiting on", "server",
            unit="requests"),
+    # ---- scale from zero (server/wake.py): requests held while no engine is registered
+    Series("requests_waiting_for_engine", "gauge", "requests this server holds because no engine is registered "
+           "(a fleet scaled to zero)", "server", unit="requests"),
+    Series("engine_groups_wanted", "gauge", "1 while requests wait for a first engine group: the desired-replicas "
+           "hint of an autoscaler that scales the fleet from zero", "server", unit="groups"),
+    Series("wake_seconds", "histogram", "how long the first request held by a fleet with no engine waited until "
+           "one registered", "server", unit="seconds"),
     # ---- this server's requests by tenant and class (docs/tenants.md; only with tenants configured)
     Series("tenant_requests_total", "counter", "engine requests of each tenant this server finished", "server",
            TENANT_LABELS, unit="requests"),
