@@ -155,3 +155,51 @@ def test_a_scope_without_the_extension_or_a_response_not_chunked_gets_no_body_wr
     assert isinstance(chunked.chunked_body(scope), chunked.ChunkedBody)  # the control: a chunked one gets it
     del cycle
     assert chunked.chunked_body(scope) is None  # its cycle is gone (the request is done): nothing to write to
+
+
+class _Connection:
+    """A response's ``ChunkedBody`` as the writer sees it: takes every chunk at once and keeps it (the test's double of
+    the connection; the real one is a socket's transport)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write_now(self, body: bytes) -> bool:
+        self.chunks.append(body)
+        return True
+
+    async def write(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+
+async def _started(writer: streaming.EventWriter, connection: _Connection) -> asyncio.Task:
+    pouring = asyncio.ensure_future(writer.pour(connection, None))  # the response's task: the body is the writer's
+    await asyncio.sleep(0)
+    return pouring
+
+
+async def test_choices_of_one_pass_go_out_as_one_chunk_and_before_the_end():
+    """An answer of several choices (``gather``) writes the pieces one pass of the receive loop made as one chunk,
+    when the pass ends; the answer's end follows what was gathered. Control: one choice's pieces go at once."""
+    connection = _Connection()
+    writer = streaming.EventWriter()
+    writer.gather()
+    pouring = await _started(writer, connection)
+    writer.write(b"data: choice 0\n\n")
+    writer.write(b"data: choice 1\n\n")
+    assert connection.chunks == []  # not yet: the pass goes on
+    await asyncio.sleep(0)
+    assert connection.chunks == [b"data: choice 0\n\ndata: choice 1\n\n"]
+    writer.write(b"data: choice 0 again\n\n")
+    writer.finish(b"data: [DONE]\n\n")
+    assert await pouring == b"data: [DONE]\n\n"
+    assert connection.chunks[1:] == [b"data: choice 0 again\n\n"]  # written by the response's task, before the end
+
+    single = _Connection()
+    writer = streaming.EventWriter()
+    pouring = await _started(writer, single)
+    writer.write(b"data: a\n\n")
+    writer.write(b"data: b\n\n")
+    assert single.chunks == [b"data: a\n\n", b"data: b\n\n"]  # at once, a chunk each
+    writer.finish(b"")
+    await pouring

@@ -258,6 +258,8 @@ class Submission:
         request), so the answer has a chunk per N tokens instead of per step.
         """
         self._render, self._writer = render, writer
+        if len(self.jobs) > 1:  # a step brings a piece of each: one chunk for them all
+            writer.gather()
         self._forget_stop = self.stopping.on_set(lambda: self._fail(shutting_down()))
         for job, rid in zip(self.jobs, self.ids):
             try:
