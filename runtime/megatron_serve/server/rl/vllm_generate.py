@@ -66,8 +66,14 @@ class VllmGenerateRequest(BaseModel):
 
 
 class VllmTokenLogprob(BaseModel):
+    """One (token, log prob) of a listing, in both of vLLM's forms at once: ``token_id`` and ``rank`` (vLLM >= 0.33's
+    ``GenerateLogProb``, output_mode ``tokens``) beside ``token`` and ``bytes`` (the chat-shaped listing of earlier
+    releases, which SkyRL and prime-rl pinned to them read)."""
+
+    token_id: int
     token: str = Field(description="token_id:N")
     logprob: float
+    rank: int | None = Field(None, description="1 = the most likely; null for a sampled token outside the top n")
     bytes: list[int] | None = None
 
 
@@ -133,11 +139,18 @@ def _logprobs(tokens: list[int], log_probs: list[float], top_n: list[dict[int, f
     """vLLM's listing of ``tokens`` (chat's shape, every token named ``token_id:N``)."""
     content = []
     for i, token in enumerate(tokens):
-        entries = listed(token, log_probs[i], top_n[i] if i < len(top_n) else None, top)[:max(top, 1)]
-        content.append({"token": token_label(token), "logprob": max(log_probs[i], -9999.0), "bytes": None,
-                        "top_logprobs": [{"token": token_label(t), "logprob": max(lp, -9999.0), "bytes": None}
-                                         for t, lp in entries]})
+        alternatives = top_n[i] if i < len(top_n) else None
+        ranks = {t: r + 1 for r, (t, _) in enumerate(sorted((alternatives or {}).items(), key=lambda kv: -kv[1]))}
+        entries = listed(token, log_probs[i], alternatives, top)[:max(top, 1)]
+        content.append({**_entry(token, log_probs[i], ranks),
+                        "top_logprobs": [_entry(t, lp, ranks) for t, lp in entries]})
     return {"content": content}
+
+
+def _entry(token: int, logprob: float, ranks: dict[int, int]) -> dict[str, Any]:
+    """One listing entry (:class:`VllmTokenLogprob`)."""
+    return {"token_id": token, "token": token_label(token), "logprob": max(logprob, -9999.0), "rank": ranks.get(token),
+            "bytes": None}
 
 
 def _versions(result: DynamicInferenceRequest) -> dict[str, Any]:
