@@ -10,6 +10,10 @@ Like a real controller it acts on a view that may be stale: the operator can del
 to a LeaderWorkerSet, a group scaled away) while its pods are being made. A workload or pod gone meanwhile is
 skipped (the pods made for a deleted workload are the API server's garbage); any other error ends the loop and
 :meth:`PodController.stop` raises it, so a test sees why its pods stopped coming.
+
+What still needs it: ``test_gang.py``, whose tests run on the emulator (see its docstring) and restart one rank
+while the others keep running (a container restart counted in ``restartCount``, which kwok does not play); the real
+StatefulSet and LeaderWorkerSet controllers make and place the gangs' pods in ``test_real_layouts.py``.
 """
 
 from __future__ import annotations

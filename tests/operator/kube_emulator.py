@@ -1,5 +1,13 @@
 """A stricter Kubernetes API emulator on top of KMock (docs/architecture.md, Tests).
 
+What still needs it, now that the operator's suites also run on a real cluster (``test_real_*.py``, on
+``tools/kube-cluster``): the tests that run kopf in this process with the fake coordinator of ``helpers.py`` (the
+lifecycle walk, pause modes, refits and rolls, gang restarts, the KV node fields, the invalid-spec status) read and
+write this store directly: a workload held back from Ready, an object's status set by hand, every request the
+operator made (``api_calls``, the RBAC test's record). A real API server gives none of that, and each of those
+tests would need a real coordinator and engines instead of the fake. What a real server checks (schema, CEL,
+RBAC, admission, controllers, the scheduler, garbage collection, 422 on immutable fields) is tested there.
+
 KMock's ``KubernetesEmulator`` serves discovery and an in-memory object store, but it does not
 stamp ``resourceVersion``/``generation``/``uid``, answers creates with 200, treats ``/status``
 as a plain patch, ignores label selectors and has no garbage collection. kopf (consistency
