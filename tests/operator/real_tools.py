@@ -79,9 +79,10 @@ class Kubectl:
         return data if name else data.get("items", [])
 
     def events(self, name: str) -> list[dict[str, Any]]:
-        """Events of the object named ``name``, oldest first."""
+        """Events of the object named ``name``, oldest first (by ``eventTime``, to the microsecond, where the poster
+        set it: ``lastTimestamp`` has whole seconds, and two Events of one second would come in any order)."""
         items = self.get("events", None, f"--field-selector=involvedObject.name={name}")
-        return sorted(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        return sorted(items, key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "")
 
 
 def clients(namespace: Any) -> tuple["Kubectl", "Helm"]:
