@@ -6,6 +6,7 @@ slime's own calls are replayed as ``slime/backends/sglang_utils/external.py`` (s
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -134,12 +135,14 @@ async def test_health_generate_costs_one_generation_however_many_probes_ask(toke
         started: list[list[int]] = []
         real = s.fleet._start
         monkeypatch.setattr(s.fleet, "_start", lambda prompt, *rest: (started.append(prompt), real(prompt, *rest))[1])
+        began = time.monotonic()
         answers = await asyncio.gather(*(s.http.get("/health_generate") for _ in range(200)))
-        assert [a.status_code for a in answers] == [200] * 200
-        assert started == [[0]]  # one generation for the 200 probes
         for _ in range(20):
-            assert (await s.http.get("/health_generate")).status_code == 200
-        assert len(started) <= 2  # a second at most if the 20 took past FRESH_FOR (1 s)
+            answers.append(await s.http.get("/health_generate"))
+        took = time.monotonic() - began
+        assert [a.status_code for a in answers] == [200] * 220
+        # one generation per FRESH_FOR at most (one in all on a quiet host), however many probes came meanwhile
+        assert set(map(tuple, started)) == {(0,)} and len(started) <= 1 + took / health_generation.FRESH_FOR, took
         before = len(started)
         await asyncio.sleep(health_generation.FRESH_FOR + 0.1)  # the last token's answer expires
         assert (await s.http.get("/health_generate")).status_code == 200
