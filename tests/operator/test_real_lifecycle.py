@@ -83,6 +83,11 @@ def test_lifecycle_verbs_reach_a_real_coordinator_and_engine(fleet: Fleet, tiny_
         engine = start_engine()  # the pod's process, here
         until(lambda: _status(fleet).get("phase") == "Ready", 180, "Ready with a real coordinator and engine")
         assert _status(fleet)["engines"] == {"desired": 1, "ready": 1, "connected": 1}
+        # the CRD's printer columns, as the API server's table gives them to `kubectl get mi`
+        header, row = kubectl.run("get", MI).stdout.splitlines()
+        assert header.split() == ["NAME", "PHASE", "LIFECYCLE", "READY", "ENGINES", "ENDPOINT", "AGE"]
+        assert row.split()[:5] == [NAME, "Ready", "Running", "1", f"http://{NAME}.{kubectl.namespace}.svc:8000/v1"]
+        assert "DESIRED" in kubectl.run("get", MI, "-o", "wide").stdout.splitlines()[0].split()
 
         _patch(fleet, '{"lifecycle": "Paused", "pauseMode": "Wait"}')
         expect("Paused", "Paused")
