@@ -27,7 +27,8 @@ from megatron_serve.server.rl.weight_slot import STALL_S
 
 from ...helpers import free_port
 from ..conftest import admin_run
-from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, checkpoints, completions, epoch, run_trainer  # noqa: F401
+from .weight_fleet import checkpoints  # noqa: F401 - a fixture
+from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, completions, run_trainer
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -125,7 +126,7 @@ def test_a_stalled_trainer_is_replaced_within_the_bound_and_a_second_trainer_ans
     finally:
         ended(stalled)
     log = logged(fleet)
-    assert f"weight update stalled: receiving" in log and f"127.0.0.1:{port}" in log
+    assert "weight update stalled: receiving" in log and f"127.0.0.1:{port}" in log
     assert "weight transfer: joined the trainer group" in log and "weight update committed" in log
 
 
