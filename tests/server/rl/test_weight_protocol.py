@@ -54,18 +54,22 @@ def stalled_trainer(fleet: SimpleNamespace, model: str, port: int) -> subprocess
     """``weight_trainer.py stalled``, in a process of its own, stopped (SIGSTOP) once the server receives from it."""
     stalled = subprocess.Popen([sys.executable, str(TRAINER), "stalled", fleet.url, model, str(port)],
                                stdout=subprocess.PIPE, text=True, env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
-    said = []
-    for line in stalled.stdout:
-        said.append(line)
-        if line.startswith('{"stalled"'):
-            break
-    else:
-        pytest.fail(f"the stalled trainer ended first: {said}")
-    deadline = time.monotonic() + 60
-    while "receiving" not in (probe := fleet.http.post("/start_weight_update", json={}, headers=ADMIN).text):
-        assert time.monotonic() < deadline, f"the server never began receiving from the stalled trainer: {probe} {said}"
-        time.sleep(0.05)
-    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        said = []
+        for line in stalled.stdout:
+            said.append(line)
+            if line.startswith('{"stalled"'):
+                break
+        else:
+            pytest.fail(f"the stalled trainer ended first: {said}")
+        deadline = time.monotonic() + 60
+        while "receiving" not in (probe := fleet.http.post("/start_weight_update", json={}, headers=ADMIN).text):
+            assert time.monotonic() < deadline, f"the server never began receiving from the stalled trainer: {probe}"
+            time.sleep(0.05)
+        os.kill(stalled.pid, signal.SIGSTOP)
+    except BaseException:
+        ended(stalled)
+        raise
     return stalled
 
 
