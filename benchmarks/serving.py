@@ -5,7 +5,8 @@ Each level keeps ``C`` streamed completions in flight (closed loop: a client sen
 when the previous one ends) until its requests have finished. Prompts are random token ids drawn
 from the served model's vocabulary (its ``config.json``, or with ``--url`` and no ``--model``, the
 largest id its ``/detokenize`` accepts); outputs are greedy (or sampled: ``--temperature``, ``--top-p``,
-``--top-k``, ``--n``; ``--rl``: temperature 1, n 8, 1,024 output tokens) with EOS ignored, of the same length
+``--top-k``, ``--n``; ``--rl``: temperature 1, n 8, 1,024 output tokens; ``--logprobs``: log probabilities streamed
+with every token, the offline engine computing them too) with EOS ignored, of the same length
 (``uniform``) or spread over half to one and a half times ``--output-tokens`` (``staggered``: requests
 finish and start nearly every step, as online). The same prompts and lengths then run offline: an
 engine in this process, the requests added at once with ``C`` running at most, stepped until done
