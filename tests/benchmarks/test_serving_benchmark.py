@@ -83,3 +83,12 @@ def test_the_url_mode_measures_the_cpu_of_the_stack_listening_there(tiny_llama, 
     cells = dict(zip(columns, [cell.strip() for cell in rows[0].split("|")[1:-1]]))
     server, coordinator, engines = cells["CPU ms/1k tok: server / coord. / engines"].split(" / ")
     assert float(server) > 0 and float(engines) > 0, rows  # the run process and its engine, found by the port
+
+
+def test_logprobs_are_asked_for_only_when_set(serving):
+    """``--logprobs`` (host_ceiling.py's sampled mode) puts the completion API's field in every request; without it the
+    body is the one the earlier figures were measured with."""
+    assert "logprobs" not in serving.Sampling(temperature=1.0, n=4).body()
+    body = serving.Sampling(temperature=1.0, n=4, logprobs=1).body()
+    assert body["logprobs"] == 1 and body["n"] == 4
+    assert serving.Sampling(logprobs=0).describe() == "greedy, logprobs 0"
