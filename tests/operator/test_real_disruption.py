@@ -103,9 +103,11 @@ def _drain_and_report(fleet: Fleet, node: str, label: str) -> tuple[int, str, in
 
 
 def test_a_node_drain_evicts_the_engine_groups_one_at_a_time(fleet: Fleet):
-    """With the default budget (one group at a time) the drain evicts a group, is refused the next (HTTP 429,
-    kubectl retries) until the evicted group's replacement is Ready on the other node, and so on: at least two of
-    the three groups are Ready all along, and every group ends on the other node."""
+    """With the default budget (one group at a time) the drain evicts a group, and the next only once the evicted
+    group's replacement is Ready on the other node (an eviction before that is refused, HTTP 429, and kubectl
+    retries; kwok makes a replacement Ready within a fraction of a second, so the refusal is often not needed and is
+    printed, not asserted): at least two of the three groups are Ready all along, and every group ends on the other
+    node."""
     node = _fleet_on_one_node(fleet, {})  # the defaults: enabled, maxUnavailableGroups 1
     budget = until(lambda: (b := fleet.kubectl.get("pdb", f"{NAME}-engine")) and
                    (b.get("status") or {}).get("disruptionsAllowed") == 1 and b, 60,
@@ -113,7 +115,6 @@ def test_a_node_drain_evicts_the_engine_groups_one_at_a_time(fleet: Fleet):
     assert budget["spec"]["maxUnavailable"] == 1
     code, output, fewest = _drain_and_report(fleet, node, "budget")
     assert code == 0, output
-    assert REFUSED in output, output  # the budget held an eviction back
     assert fewest == GROUPS - 1
     pods = until(lambda: (p := fleet.engine_pods(NAME)) and len(p) == GROUPS and all(map(_ready, p)) and p, 60,
                  "every group Ready again")

@@ -71,7 +71,8 @@ def _desired(image: str) -> list[dict[str, Any]]:
 
 def test_a_revert_rolls_the_group_that_is_not_ready_back_first_then_one_at_a_time():
     # groups 0 and 1 moved to v2; 1 never became Ready; the spec is back at v1
-    kube = _Kube({"x-engine-0": _sts(0, "v2", True), "x-engine-1": _sts(1, "v2", False), "x-engine-2": _sts(2, "v1", True)})
+    kube = _Kube({"x-engine-0": _sts(0, "v2", True), "x-engine-1": _sts(1, "v2", False),
+                  "x-engine-2": _sts(2, "v1", True)})
     result = asyncio.run(reconcile.Reconciler(kube).children(_desired("v1"), name="x", namespace="ns", uid=None,
                                                              now=NOW))
     assert kube.patched == ["x-engine-1"] and result.deferred == ["x-engine-0"]
