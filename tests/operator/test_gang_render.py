@@ -47,7 +47,8 @@ def test_every_gang_object_validates(leader_worker_set, lws_schema):
     for uid in (None, "3f1c2b9e-0d5e-4c53-9a57-6a1f7b0c9d21"):
         objects = render(example(uid), CONFIG, leader_worker_set=leader_worker_set)
         assert [o["kind"] for o in objects[6:]] == \
-            (["LeaderWorkerSet"] * 2 if leader_worker_set else ["Service", "StatefulSet"] * 2)
+            (["LeaderWorkerSet"] * 2 if leader_worker_set else ["Service", "StatefulSet"] * 2) \
+            + ["PodDisruptionBudget"] * 2  # the engine groups' and the coordinator's budgets
         for obj in objects:
             if obj["kind"] == "LeaderWorkerSet":
                 errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"

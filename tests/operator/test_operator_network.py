@@ -125,7 +125,7 @@ def test_render_refuses_an_unauthenticated_port_unless_told_otherwise(tmp_path: 
         err.getvalue() and "--no-strict-security" in err.getvalue()
     out = io.StringIO()
     assert rendering.render_command(str(path), out=out, err=io.StringIO(), strict_security=False) == 0
-    assert len(list(yaml.safe_load_all(out.getvalue()))) == 8
+    assert len(list(yaml.safe_load_all(out.getvalue()))) == 10  # with the two PodDisruptionBudgets
     command = [sys.executable, "-m", "megatron_serve.cli", "render", "-f", str(path)]
     strict = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert strict.returncode == 1 and "nothing asks for credentials" in strict.stderr
