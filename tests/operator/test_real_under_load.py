@@ -38,7 +38,7 @@ from tests.helpers import Children, free_port
 
 from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet
-from .real_tools import clients, example, until
+from .real_tools import clients, condition, example, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,6 +46,7 @@ NAME = "tiny"
 GROUPS = 2
 STREAMS = 32
 TOKENS = 24
+DEADLINE = 15  # spec.rollout.progressDeadlineSeconds of the bad rollout
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=TOKENS, ignore_eos=True)
 
 
@@ -187,6 +188,8 @@ class Load:
             self.different += tokens != self.expected[slot]
 
     async def run_until(self, done: Any) -> None:
+        """Run the streams until ``done()`` (polled in a thread) is true; again after that adds to the counts."""
+        self.stop = asyncio.Event()
         slots = [asyncio.create_task(self._slot(i)) for i in range(STREAMS)]
         while not await asyncio.to_thread(done):
             await asyncio.sleep(0.5)
@@ -208,6 +211,7 @@ def test_a_rolling_update_and_a_node_drain_under_streamed_load(fleet: Fleet, tin
     resource["spec"]["server"]["apiKeySecretRef"]["name"] = f"{NAME}-api-key"
     resource["spec"]["parallelism"]["data"] = GROUPS
     resource["spec"]["drainTimeoutSeconds"] = 5
+    resource["spec"]["rollout"] = {"progressDeadlineSeconds": DEADLINE}
     resource["spec"]["engine"].update(fleet.gpu_pool(1))
     fleet.prerequisites(resource)
     fleet.operator(MEGATRON_OPERATOR_COORDINATOR_ADDRESS=f"tcp://127.0.0.1:{port}")
@@ -268,6 +272,29 @@ def test_a_rolling_update_and_a_node_drain_under_streamed_load(fleet: Fleet, tin
             lines.append(load.line("rolling update (2 groups)", time.monotonic() - began))
             rolling = load
 
+            # a bad rollout: a GPU no node has; group 0 moves, is never placed, the rollout halts; then a revert
+            def progressing() -> dict[str, Any]:
+                return condition(fleet.mi(NAME), "Progressing")
+
+            kubectl.run("patch", "mi", NAME, "--type=merge", "-p",
+                        json.dumps({"spec": {"engine": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}}}))
+            load = Load(client, expected)
+            began = time.monotonic()
+            await load.run_until(lambda: progressing().get("reason") == "ProgressDeadlineExceeded")
+            halted_after = time.monotonic() - began
+            kubectl.run("patch", "mi", NAME, "--type=merge", "-p",
+                        json.dumps({"spec": {"engine": {"nodeSelector": {"nvidia.com/gpu.product": None}}}}))
+
+            def back() -> bool:
+                pods = fleet.engine_pods(NAME)
+                return (len(pods) == GROUPS and all(map(_ready, pods)) and kubelet.registered == set(range(GROUPS))
+                        and progressing().get("reason") == "Complete")
+
+            await load.run_until(back)
+            lines.append(load.line(f"bad rollout halted after {halted_after:.0f}s (deadline {DEADLINE}s), reverted",
+                                   time.monotonic() - began))
+            bad = load
+
             # a node drain: both groups' pods on the pool's first node, a second node for their replacements
             fleet.gpu_pool(2)
             before = {p["metadata"]["uid"] for p in fleet.engine_pods(NAME)}
@@ -286,7 +313,7 @@ def test_a_rolling_update_and_a_node_drain_under_streamed_load(fleet: Fleet, tin
             lines += [line for line in output.splitlines() if "evict" in line]
             for line in lines:
                 print(line)
-            for phase in (rolling, load):
+            for phase in (rolling, bad, load):
                 assert phase.failed == [], phase.failed[:3]
                 assert (phase.truncated, phase.repeated, phase.different) == (0, 0, 0)
                 assert phase.finished > 0
