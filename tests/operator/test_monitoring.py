@@ -48,7 +48,9 @@ def crd_errors(obj: dict[str, Any], schemas: dict[tuple[str, str], dict[str, Any
 def exported_names() -> set[str]:
     """Sample names of a server whose fleet has one engine that reported real metrics."""
     from megatron_serve.wire.engine_stats import EngineStats
+    from megatron_serve.http_options import WakeOptions
     from megatron_serve.server.metrics import ServerMetrics
+    from megatron_serve.server.wake import WakeCollector, WakeGate
 
     class Monitor:
         reachable = True
@@ -64,6 +66,7 @@ def exported_names() -> set[str]:
                     "computed_tokens": 0}
 
     metrics = ServerMetrics(Monitor(), lambda: 0, "m")  # type: ignore[arg-type]
+    metrics.add_collector(WakeCollector(WakeGate(Monitor(), WakeOptions())))  # type: ignore[arg-type] - as the app
     metrics.http_requests.labels("/v1/completions", "200").inc()  # labelled server series appear once used
     text = metrics.render()[0].decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
