@@ -1,4 +1,5 @@
-"""SGLang's request fields a text request carries, and ``GET /v1/loads``, as AReaL and slime send and read them.
+"""SGLang's request fields a text request carries and ``GET /v1/loads``, as AReaL and slime send and read them, and
+SkyRL's ``/finish_session``.
 
 AReaL's SGLang backend (``areal/engine/sglang_remote.py``, AReaL 4aef98d) always sends ``"image_data": null``;
 slime (``slime/backends/sglang_utils/server_control.py``, slime 624b824: ``abort_server_until_idle``) aborts and
@@ -82,3 +83,14 @@ async def test_v1_loads_counts_what_runs_until_an_abort_leaves_the_fleet_idle(to
                              ("nope=1", "nope")):
             assert error_of(await s.http.get(f"/v1/loads?{query}", headers=API))["param"] == param
         assert (await s.http.get("/v1/loads")).status_code == 401
+
+
+async def test_skyrls_finish_session_is_answered_and_refuses_a_call_without_its_session(tokenizer):
+    """SkyRL's ``RemoteInferenceClient.finish_session`` (``remote_inference_client.py``, SkyRL a956457) posts
+    ``/finish_session?session_id=`` when a trajectory ends; a 404 there was logged on every trajectory."""
+    async with controlled(tokenizer) as s:
+        done = await s.http.post("/finish_session", params={"session_id": "traj-7"}, headers=API)
+        assert done.status_code == 200 and done.json() == {"status": "ok", "session_id": "traj-7"}
+        assert error_of(await s.http.post("/finish_session", headers=API))["param"] == "session_id"
+        assert error_of(await s.http.post("/finish_session?session_id=a&x=1", headers=API))["param"] == "x"
+        assert (await s.http.post("/finish_session", params={"session_id": "traj-7"})).status_code == 401
