@@ -204,6 +204,7 @@ class WeightUpdates:
             return False
         group, self.group, self.staged = self.group, None, None
         if group is not None:
+            group.moved = _still  # what its thread still reads is no progress of whoever holds the slot next
             logger.info("weight transfer: leaving the trainer group at %s:%d (%s)", group.layout.host,
                         group.layout.port, reason)
             if thread is not None and not thread.done():
@@ -345,6 +346,10 @@ class WeightUpdates:
                                 "(the model the fleet started with, or a directory): it has no checksums of them",
                            code="no_checksums", type="invalid_request_error")
         return dict(self._checksums[1])
+
+
+def _still() -> None:
+    """The progress hook of a group that was left."""
 
 
 def _leave_joined(done: asyncio.Future[TrainerGroup]) -> None:
