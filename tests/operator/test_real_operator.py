@@ -78,6 +78,12 @@ def test_single_gpu_example_reconciles_scales_and_is_collected(fleet: Fleet):
     until(lambda: json.loads(kubectl.run("get", f"{MI}/{NAME}", "--subresource=scale",
                                          "-o=json").stdout)["status"].get("replicas") == 2, 30, "scale status 2")
     assert scale["spec"]["replicas"] == 2 and scale["status"]["selector"] == names.engine_pod_selector(NAME)
+    # and down again: the operator deletes group 1's StatefulSet and Service, the collector its pod
+    kubectl.run("scale", f"{MI}/{NAME}", "--replicas=1")
+    until(lambda: _placed(fleet, 1) and kubectl.get("statefulset", f"{NAME}-engine-1") is None
+          and kubectl.get("service", f"{NAME}-engine-1") is None, 60, "group 1 gone")
+    kubectl.run("scale", f"{MI}/{NAME}", "--replicas=2")
+    until(lambda: _placed(fleet, 2), 90, "two engine pods Running again")
 
     # kubectl delete: the finalizer lets go, and the garbage collector takes every child and their pods
     uid = mi["metadata"]["uid"]
@@ -149,10 +155,13 @@ def test_an_immutable_statefulset_field_is_recreated(fleet: Fleet):
 
 
 def test_operator_killed_mid_reconcile_converges_when_restarted(fleet: Fleet):
-    """SIGKILL once the first child exists, before the rest: a new operator process finishes the job."""
+    """SIGKILL once the first child exists, before the rest: a new operator process finishes the job. A Service
+    of a child's name that nothing owns (made by hand beforehand) is adopted, not refused as a conflict."""
     kubectl = fleet.kubectl
     resource = example("single-gpu.yaml", kubectl.namespace)
     fleet.prerequisites(resource)
+    kubectl.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": NAME},
+                    "spec": {"ports": [{"name": "http", "port": 8000}]}}])
     first = fleet.operator()
     kubectl.apply([resource])
     until(lambda: kubectl.get("secret", f"{NAME}-coordinator-token"), 60, "the first child")
@@ -161,6 +170,9 @@ def test_operator_killed_mid_reconcile_converges_when_restarted(fleet: Fleet):
     until(lambda: _placed(fleet, 1), 90, "the engine pod Running after the restart")
     until(lambda: ((fleet.mi(NAME) or {}).get("status") or {}).get("engines", {}).get("ready") == 1, 60,
           "the status written by the new process")
+    (owner,) = kubectl.get("service", NAME)["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"]) == ("MegatronInference", fleet.mi(NAME)["metadata"]["uid"])
+    assert any(e.get("reason") == "Adopted" for e in kubectl.events(NAME)), kubectl.events(NAME)
     assert "Traceback" not in second.log(), second.log()[-3000:]
 
 
