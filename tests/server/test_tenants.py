@@ -11,6 +11,7 @@ end to end in tests/server/test_tenants_e2e.py.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -114,7 +115,7 @@ def app_with(tokenizer, backend, document: str = DOCUMENT, **options):
                      status_interval=0.05, tenancy=TenancyOptions(**options))
     clock = Clock()
     tenancy = app.state.ctx.tenancy
-    tenancy.clock = tenancy.saturation.clock = clock
+    tenancy.clock = clock  # the budgets' clock; the fleet status's age is the monitor's own
     return app, clock
 
 
@@ -129,7 +130,7 @@ def bearer(key: str, **headers: str) -> dict:
 async def test_each_key_is_its_tenant_and_its_requests_carry_the_tag(tokenizer, monkeypatch):
     monkeypatch.setenv("BATCH_KEY", "key-batch")
     backend = FakeBackend(tokenizer)
-    app, _ = app_with(tokenizer, backend)
+    app, clock = app_with(tokenizer, backend)
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         assert (await http.post("/v1/completions", json=body())).status_code == 401
         assert (await http.post("/v1/completions", json=body(), headers=bearer("nope"))).status_code == 401
@@ -138,6 +139,7 @@ async def test_each_key_is_its_tenant_and_its_requests_carry_the_tag(tokenizer, 
             answer = await http.post("/v1/completions", json=body(n=2), headers=bearer(key, **headers))
             assert answer.status_code == 200, answer.text
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        clock.now += 30  # team-a's n=2 spent its 2 requests a minute (engine requests count); 30 s gives one back
         assert (await http.post("/v1/chat/completions", json=chat, headers=bearer("key-a"))).status_code == 200
         bad = await http.post("/v1/completions", json=body(), headers=bearer("key-gateway", **{FAIRNESS_HEADER: "x" * 200}))
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_tenant"
@@ -251,15 +253,33 @@ async def test_every_tenant_limit_counts_engine_requests_prompts_times_n(tokeniz
 
 
 class SaturatedBackend(FakeBackend):
-    """Its one engine has ``waiting`` requests queued and ``used`` of 64 KV blocks in use."""
+    """Its one engine has ``waiting`` requests queued and ``used`` of 64 KV blocks in use; ``stalled``: its status
+    polls time out on a connection that still hears the coordinator (busy: the last status stands and ages)."""
 
     waiting = 0
     used = 0
+    stalled = False
 
     async def status(self, timeout: float | None = 10.0) -> dict:
+        if self.stalled:
+            self.connected = True
+            raise TimeoutError("no status in time")
         status = await super().status(timeout)
         status["engines"][0].update(waiting=self.waiting, kv_blocks_free=64 - self.used)
         return status
+
+
+async def test_a_fresh_status_is_not_stale_whatever_the_budgets_clock_reads(tokenizer):
+    """The control for the status's age: measured on the budgets' clock (an hour ahead of the monitor's here, a few
+    minutes on a freshly booted host before), a status polled a moment ago counted as stale and a fresh fleet shed
+    its first sheddable request with 503 fleet_saturated."""
+    app, clock = app_with(tokenizer, SaturatedBackend(tokenizer),
+                          document=DOCUMENT.replace("key_env: BATCH_KEY", "key: key-batch"),
+                          shedding=Shedding(queue_depth=4, kv_cache_usage=0.9, stale_after=5.0, retry_after=2))
+    clock.now = time.monotonic() + 3600
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        answer = await http.post("/v1/completions", json=body(), headers=bearer("key-batch"))
+    assert answer.status_code == 200, answer.text
 
 
 async def test_saturation_sheds_sheddable_requests_with_a_503_never_critical_ones(tokenizer):
@@ -270,7 +290,6 @@ async def test_saturation_sheds_sheddable_requests_with_a_503_never_critical_one
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         async def answer(key: str) -> httpx.Response:
             await monitor.refresh()
-            clock.now = monitor.updated
             return await http.post("/v1/completions", json=body(), headers=bearer(key))
 
         assert (await answer("key-batch")).status_code == 200
@@ -283,7 +302,9 @@ async def test_saturation_sheds_sheddable_requests_with_a_503_never_critical_one
         assert (await answer("key-batch")).status_code == 503  # KV use
         backend.used = 10
         assert (await answer("key-batch")).status_code == 200
-        clock.now += 6  # the status is older than stale_after
+        backend.stalled = True  # no status answers any more: the last one ages
+        await monitor.refresh()
+        monitor.updated -= 6  # as if it were 6 s ago, older than stale_after
         await_stale = await http.post("/v1/completions", json=body(), headers=bearer("key-batch"))
         assert await_stale.status_code == 503 and "older than" in await_stale.json()["error"]["message"]
         metrics = (await http.get("/metrics")).text

@@ -176,6 +176,10 @@ class FleetMonitor:
     def engines(self) -> list[dict[str, Any]]:
         return list((self.status or {}).get("engines") or [])
 
+    def age(self) -> float:
+        """Seconds since the last status answered (infinite before the first): how stale what the views say is."""
+        return float("inf") if self.status is None else time.monotonic() - self.updated
+
     def refusal_reason(self) -> str | None:
         """Why new requests cannot even wait for the fleet (unreachable or stopped), or None."""
         if not self.reachable:

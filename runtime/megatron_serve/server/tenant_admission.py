@@ -90,14 +90,15 @@ class TenantScope(HTTPLayer):
 
 class Saturation:
     """Whether the fleet is saturated (:class:`~.tenants.Shedding`), from the monitor's last status and this server's
-    requests since (a burst between two polls counts)."""
+    requests since (a burst between two polls counts). The status's age is the monitor's own
+    (:meth:`~.fleet.FleetMonitor.age`, on the clock that stamped it): measured on the budgets' clock, a status polled
+    a moment ago read as older than ``stale_after`` whenever the two clocks differed (a test's budget clock against
+    the real one shed every sheddable request of a fresh fleet)."""
 
-    def __init__(self, shedding: Shedding, monitor: "FleetMonitor", pending: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, shedding: Shedding, monitor: "FleetMonitor", pending: Callable[[], int]) -> None:
         self.shedding = shedding
         self.monitor = monitor
         self.pending = pending
-        self.clock = clock
         self._seen = -1.0  # the status time of the last check
         self._pending_then = 0  # this server's pending count at that status
 
@@ -106,8 +107,7 @@ class Saturation:
         shedding, monitor = self.shedding, self.monitor
         if monitor.updated != self._seen:
             self._seen, self._pending_then = monitor.updated, self.pending()
-        if shedding.stale_after is not None and (monitor.status is None
-                                                 or self.clock() - monitor.updated > shedding.stale_after):
+        if shedding.stale_after is not None and monitor.age() > shedding.stale_after:
             return f"the fleet's status is older than {shedding.stale_after:g} s"
         engines = monitor.engines
         if not engines:
@@ -170,7 +170,7 @@ class Tenancy:
         self.metrics = metrics
         metrics.enable_tenants()
         self.clock = clock
-        self.saturation = Saturation(options.shedding, monitor, pending, clock)
+        self.saturation = Saturation(options.shedding, monitor, pending)
         self.retry_after = options.shedding.retry_after
         # the tenants' budgets: this process's own, or shared by the processes of --api-server-count
         self.budgets = LocalBudgets() if metrics.shared_dir is None else SharedBudgets(metrics.shared_dir)
