@@ -63,7 +63,12 @@ RL_FRAMEWORK_PATHS = {
     "/get_server_info", "/generate", "/health_generate", "/flush_cache", "/abort_request", "/pause_generation",
     "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/update_weights_from_tensor", "/weights_checker",
+    "/update_weights_from_tensor", "/weights_checker", "/v1/loads",
+    # AReaL's, SkyRL's, this project's
+    "/areal_update_weights", "/areal_init_weights_update_group", "/areal_set_update_weight_meta",
+    "/areal_update_weights_xccl", "/areal_update_weights_lora", "/areal_update_weights_lora_xccl",
+    "/areal_set_update_weight_meta_lora", "/areal_pause_generation", "/areal_continue_generation", "/finish_session",
+    "/abort_weight_update",
     # TRL <= 1.10
     "/health/", "/get_world_size/", "/generate/", "/chat/", "/get_sequence_logprobs/", "/init_communicator/",
     "/update_named_param/", "/reset_prefix_cache/", "/close_communicator/",
