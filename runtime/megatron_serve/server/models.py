@@ -434,9 +434,10 @@ class ErrorResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
-    missing: list[str] = Field(default_factory=list, description=(
-        "what keeps requests from being served now, by part: coordinator, fleet (not RUNNING), engines (none can "
-        "take a request), server (this one drains); /health stays 200 for them (this process is alive)"))
+    missing: list[str] | None = Field(None, description=(
+        "only while something keeps requests from being served now, by part: coordinator, fleet (not RUNNING), "
+        "engines (none can take a request), server (this one drains); /health stays 200 for them (this process is "
+        "alive). Absent when nothing is missing: a healthy server answers {\"status\": \"ok\"}"))
 
 
 class ReadyResponse(BaseModel):

@@ -84,7 +84,8 @@ class ProbeFacts:
             return 503, {"status": "stalled", "missing": ["server"],
                          "detail": f"the server's event loop has not run for {silent:.0f}s "
                                    f"(--health-stall-timeout {self.stall_timeout:g})"}
-        return 200, {"status": "ok", "missing": self._missing(silent)}
+        missing = self._missing(silent)
+        return 200, {"status": "ok", **({"missing": missing} if missing else {})}  # as the main port's /health
 
     def ready(self) -> tuple[int, dict[str, Any]]:
         """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop; until the

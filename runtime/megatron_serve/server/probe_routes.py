@@ -18,12 +18,13 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
     """The three probe routes on ``app``."""
     monitor = ctx.monitor
 
-    @app.get("/health", response_model=HealthResponse, tags=["probes"],
-             description="200 while this process is up (liveness); `missing` names what keeps requests from being "
-                         "served now, as `/ready` does.")
+    @app.get("/health", response_model=HealthResponse, response_model_exclude_none=True, tags=["probes"],
+             description="200 while this process is up (liveness), whatever the fleet does: `{\"status\": \"ok\"}` "
+                         "(vLLM's `/health` is an empty 200); while something keeps requests from being served, "
+                         "`missing` names it, as `/ready` does.")
     async def health() -> HealthResponse:
-        draining = ["server"] if ctx.drain.draining.is_set() else []
-        return HealthResponse(missing=[*monitor.missing(), *draining])
+        missing = [*monitor.missing(), *(["server"] if ctx.drain.draining.is_set() else [])]
+        return HealthResponse(missing=missing or None)
 
     @app.get("/ready", response_model=ReadyResponse, tags=["probes"],
              responses={503: {"model": ReadyResponse, "description": "not serving now: the coordinator is "
