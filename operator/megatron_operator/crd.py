@@ -326,6 +326,19 @@ def spec_schema() -> dict[str, Any]:
                                         "its own coordinator client (vLLM's --api-server-count): for more streamed "
                                         "tokens per second than one process writes. Give the container about one CPU "
                                         "per process; /metrics stays fleet-wide.", minimum=1, maximum=64, default=1),
+            "scaleFromZero": obj_field(
+                "Hold requests at the server while the fleet has no engine group (spec.parallelism.data scaled to 0 "
+                "by KEDA's minReplicaCount: 0 or an HPA): the server's --scale-from-zero-timeout and "
+                "--scale-from-zero-queue. While it holds and its queue has room the pod stays Ready (its /ready is "
+                "200 with held true), so the Service sends the request that asks for the first group "
+                "(megatron_serve_engine_groups_wanted). Off (timeoutSeconds 0) for a fleet that is not scaled to "
+                "zero: without engines its server pod is not Ready.",
+                {"timeoutSeconds": int_field("How long a request waits for a first engine (the model's cold start); "
+                                             "0: holding is off.", minimum=0, maximum=3600, default=0),
+                 "queue": int_field("Requests that may wait at once; past it 503 no_engine and the pod not Ready.",
+                                    minimum=0, maximum=100000, default=256)},
+                default={},
+            ),
             "remoteImages": {"type": "boolean", "default": True,
                              "description": "Fetch http(s) image URLs of chat requests (vision-language models); "
                                             "false: only data: URLs, so the server never reaches into the cluster "

@@ -138,6 +138,16 @@ def _model_flags(spec: InferenceSpec) -> list[str]:
     return flags
 
 
+def _scale_from_zero_flags(spec: InferenceSpec) -> list[str]:
+    """The server's holding flags while spec.server.scaleFromZero is on; none while off (the server's own default,
+    so that the pod templates of fleets that never scale to zero stay unchanged)."""
+    holding = spec.scale_from_zero
+    if not holding["timeoutSeconds"]:
+        return []
+    return ["--scale-from-zero-timeout", str(holding["timeoutSeconds"]), "--scale-from-zero-queue",
+            str(holding["queue"])]
+
+
 def _served_name(spec: InferenceSpec) -> list[str]:
     """A Hub model is served under its id (``Qwen/Qwen3-0.6B``), as vLLM does, not its directory's name."""
     return ["--served-model-name", spec.model_hub.split("@", 1)[0]] if spec.model_hub else []
@@ -206,6 +216,7 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
                 # on by default; the flag only when off, so existing pod templates stay unchanged
                 + ([] if spec.remote_images else ["--no-remote-images"])
                 + (["--api-server-count", str(spec.api_server_count)] if spec.api_server_count > 1 else [])
+                + _scale_from_zero_flags(spec)
                 + tenancy_args,
         "env": server_env,
         "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],

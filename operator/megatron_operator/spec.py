@@ -248,6 +248,7 @@ class InferenceSpec:
     server_resources: dict[str, Any]
     api_server_count: int
     remote_images: bool
+    scale_from_zero: dict[str, int]  # spec.server.scaleFromZero, defaulted (timeoutSeconds 0: off)
     lora: dict[str, Any] | None  # spec.lora, defaulted (None: no LoRA)
     trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
@@ -359,6 +360,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_resources=dict(server.get("resources", {})),
         api_server_count=server["apiServerCount"],
         remote_images=server["remoteImages"],
+        scale_from_zero={"timeoutSeconds": 0, "queue": 256, **server.get("scaleFromZero", {})},
         lora=spec.get("lora"),
         trainers=[dict(peer) for peer in spec["network"].get("trainers", [])],
         lifecycle=spec["lifecycle"],

@@ -34,17 +34,23 @@ class CORS:
 @dataclass(frozen=True)
 class WakeOptions:
     """Scale from zero (:mod:`megatron_serve.server.wake`): ``timeout``, how long a request waits for a first engine
-    (``--scale-from-zero-timeout``); ``queue``, how many may wait at once (``--scale-from-zero-queue``; 0: none, a
-    503 at once)."""
+    (``--scale-from-zero-timeout``; 0, the default: holding is off, as in vLLM a server without an engine is not
+    ready); ``queue``, how many may wait at once (``--scale-from-zero-queue``; 0: none, a 503 at once)."""
 
-    timeout: float = 300.0
+    timeout: float = 0.0
     queue: int = 256
 
     def __post_init__(self) -> None:
-        if not (self.timeout > 0 and math.isfinite(self.timeout)):
-            raise ValueError(f"--scale-from-zero-timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if not (self.timeout >= 0 and math.isfinite(self.timeout)):
+            raise ValueError(f"--scale-from-zero-timeout must be a number of seconds >= 0 (0: off), got "
+                             f"{self.timeout!r}")
         if isinstance(self.queue, bool) or not isinstance(self.queue, int) or self.queue < 0:
             raise ValueError(f"--scale-from-zero-queue must be an integer >= 0, got {self.queue!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests are held at all (with ``queue`` 0 every one is refused at once, and ``/ready`` is 503)."""
+        return self.timeout > 0
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ full queue, the timeout) answered with 503 ``no_engine`` and ``Retry-After``.
 Everything is real here (the coordinator, the server, the engine as processes, the official ``openai`` client,
 ``/metrics`` scraped over HTTP); only the autoscaler is not: the test starts the engine itself where KEDA or an HPA
 would scale the resource up on ``megatron_serve_engine_groups_wanted``.
+
+``/ready`` on both ports (the main one and the probe port a Kubernetes readiness probe reads) follows: while holding
+is on and its queue has room it is 200 with ``held`` true and ``engines`` 0 (the server takes the request; a pod that
+were not Ready would get nothing from its Service, and the held path never fire), 503 once the queue is full, and
+with holding off (the default) 503 without an engine, as before.
 """
 
 from __future__ import annotations
@@ -51,6 +56,26 @@ def _server(children: Children, model: str, coordinator_port: int, *flags: str) 
     return url
 
 
+def _ready(url: str) -> tuple[int, dict]:
+    answer = http_get(f"{url}/ready", timeout=5)
+    return answer.status_code, answer.json()
+
+
+def _until_ready(url: str, status: int, held: bool) -> dict:
+    """Poll ``/ready`` until it answers ``status`` with ``held`` (the probe port follows the server's stamps)."""
+    seen: list = []
+
+    def matches() -> bool:
+        seen[:] = _ready(url)
+        return seen[0] == status and seen[1].get("held") is held
+
+    try:
+        wait_until(matches, 30, f"/ready {status} held={held} on {url}", interval=0.1)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; the last answer: {seen}") from None
+    return seen[1]
+
+
 def _ask(url: str) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
@@ -62,7 +87,12 @@ def test_a_request_to_a_fleet_with_no_engine_waits_for_the_first_one_and_is_answ
     port = free_port()
     try:
         children.coordinator(tiny_model, port)
-        url = _server(children, tiny_model, port, "--scale-from-zero-timeout", "240")
+        probes = f"http://127.0.0.1:{(probe_port := free_port())}"
+        url = _server(children, tiny_model, port, "--scale-from-zero-timeout", "240", "--health-port", str(probe_port))
+        for where in (url, probes):  # no engine, but the server takes requests: Ready, so its Service sends them
+            body = _until_ready(where, 200, held=True)
+            assert body["ready"] and body["engines"] == 0 and body["missing"] == ["engines"], body
+            assert "held until one registers" in body["detail"], body
         assert _series(url)["megatron_serve_engine_groups_wanted"] == 0
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(_ask, url)
@@ -74,6 +104,9 @@ def test_a_request_to_a_fleet_with_no_engine_waits_for_the_first_one_and_is_answ
             children.engine(tiny_model, port)  # what the autoscaler does on the hint
             text = held.result(timeout=300)
             woke = time.monotonic() - started
+        for where in (url, probes):
+            body = _until_ready(where, 200, held=False)
+            assert body["engines"] == 1 and body["missing"] == [] and body["detail"] is None, body
         series = _series(url)
         print(f"wake from zero: engine process start -> the held request answered in {woke:.1f}s; "
               f"the server's megatron_serve_wake_seconds {series['megatron_serve_wake_seconds_sum']:.1f}s")
@@ -97,6 +130,8 @@ def test_past_the_queue_or_the_timeout_a_waiting_request_gets_503_no_engine_with
             began = time.monotonic()
             first = pool.submit(http_post, f"{url}/v1/completions", json=body, timeout=60)
             wait_until(lambda: _series(url)["megatron_serve_requests_waiting_for_engine"] == 1, 30, "one waiting")
+            status, ready = _ready(url)  # a request now would be refused: not ready
+            assert status == 503 and not ready["ready"] and "fill the queue" in ready["detail"], ready
             full = http_post(f"{url}/v1/completions", json=body, timeout=60)  # the queue (1) is taken
             assert full.status_code == 503 and full.json()["error"]["code"] == "no_engine", full.text
             assert "--scale-from-zero-queue 1" in full.json()["error"]["message"]
@@ -108,13 +143,35 @@ def test_past_the_queue_or_the_timeout_a_waiting_request_gets_503_no_engine_with
         assert int(late.headers["Retry-After"]) >= 1
         assert 3 <= waited < 30
         assert _series(url)["megatron_serve_requests_waiting_for_engine"] == 0
+        assert _ready(url)[0] == 200  # room again
     finally:
         children.kill_all()
 
 
-@pytest.mark.parametrize(("timeout", "queue", "named"), [(0.0, 1, "--scale-from-zero-timeout"),
+def test_with_holding_off_the_default_a_fleet_without_engines_is_not_ready(tiny_model: str, tmp_path: Path):
+    """The control: without --scale-from-zero-timeout nothing is held, and /ready is 503 on both ports while no engine
+    is registered (a load balancer sends nothing), as a vLLM server without an engine would be."""
+    children = Children(tmp_path)
+    port = free_port()
+    try:
+        children.coordinator(tiny_model, port)
+        probes = f"http://127.0.0.1:{(probe_port := free_port())}"
+        url = _server(children, tiny_model, port, "--health-port", str(probe_port))
+        for where in (url, probes):
+            body = _until_ready(where, 503, held=False)
+            assert body["missing"] == ["engines"] and "none is registered" in body["detail"], body
+        assert _series(url)["megatron_serve_engine_groups_wanted"] == 0
+    finally:
+        children.kill_all()
+
+
+@pytest.mark.parametrize(("timeout", "queue", "named"), [(-1.0, 1, "--scale-from-zero-timeout"),
                                                          (float("inf"), 1, "--scale-from-zero-timeout"),
                                                          (5.0, -1, "--scale-from-zero-queue")])
 def test_bad_bounds_are_refused_by_their_flag(timeout: float, queue: int, named: str):
     with pytest.raises(ValueError, match=named):
         WakeOptions(timeout, queue)
+
+
+def test_holding_is_off_by_default():
+    assert not WakeOptions().enabled and WakeOptions(300.0).enabled

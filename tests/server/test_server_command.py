@@ -84,7 +84,7 @@ def test_server_before_coordinator_then_ready_then_stopped(tiny_model, tmp_path)
             # reachable and RUNNING, but no engine can take a request: not ready, and it says what is missing
             assert http_get(f"{url}/ready").json() == {
                 "ready": False, "state": "RUNNING", "coordinator_reachable": True, "busy": False, "engines": 0,
-                "detail": "no engine can take a request: none is registered with the coordinator",
+                "held": False, "detail": "no engine can take a request: none is registered with the coordinator",
                 "missing": ["engines"]}
             assert http_get(f"{url}/health").json() == {"status": "ok", "missing": ["engines"]}
 

@@ -82,10 +82,11 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for this "
                     "long; then the rest end with an error (a second signal stops at once); vLLM's "
                     "--shutdown-timeout (whose default, 0, aborts them at once)")
-    group.add_argument("--scale-from-zero-timeout", type=float, default=300.0, metavar="S",
+    group.add_argument("--scale-from-zero-timeout", type=float, default=0.0, metavar="S",
                        help="while no engine is registered (a fleet scaled to zero), a request waits this long for "
                             "one, then gets 503 no_engine with Retry-After; megatron_serve_engine_groups_wanted is 1 "
-                            "while any waits (docs/kubernetes/autoscaling.md)")
+                            "while any waits, and /ready is 200 while the queue has room (docs/kubernetes/"
+                            "autoscaling.md). 0 (the default): off, /ready is 503 without an engine")
     group.add_argument("--scale-from-zero-queue", type=int, default=256, metavar="N",
                        help="requests that may wait for a first engine at once; past it 503 no_engine at once")
     group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
@@ -399,7 +400,8 @@ async def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, 
     ctx = app.state.ctx
     await ctx.monitor.wait_first_poll()
     return ProbePort(probe_sock, address, token, lambda: ctx.drain.draining.is_set() or ctx.stopping.is_set(),
-                     ready=lambda: ctx.monitor.not_ready_reason() is None,
+                     ready=lambda: ctx.monitor.not_ready_reason() is None or (ctx.wake is not None and ctx.wake.holds()),
+                     holds=None if ctx.wake is None else ctx.wake.holds,
                      interval=args.status_interval, timeout=args.status_timeout,
                      stall_timeout=args.health_stall_timeout, log_level=args.log_level)
 

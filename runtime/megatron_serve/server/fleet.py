@@ -40,6 +40,9 @@ logger = logging.getLogger("megatron_serve.server")
 
 STOPPED = FleetState.STOPPED.value
 RUNNING = FleetState.RUNNING.value
+#: ``/ready``'s detail on its 200 while a fleet without engines holds requests for the first (server/wake.py).
+HELD = ("no engine is registered: requests are held until one registers (scale from zero, "
+        "--scale-from-zero-timeout), and the fleet asks for an engine group")
 
 
 class FleetMonitor:
@@ -175,6 +178,10 @@ class FleetMonitor:
     @property
     def engines(self) -> list[dict[str, Any]]:
         return list((self.status or {}).get("engines") or [])
+
+    def asleep(self) -> bool:
+        """RUNNING with no engine registered at all (a fleet scaled to zero, not one whose engines drain)."""
+        return self.reachable and self.state == RUNNING and not self.engines
 
     def age(self) -> float:
         """Seconds since the last status answered (infinite before the first): how stale what the views say is."""

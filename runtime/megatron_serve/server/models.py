@@ -449,9 +449,11 @@ class ReadyResponse(BaseModel):
     busy: bool = Field(False, description="the last status poll timed out while the coordinator kept streaming: "
                                          "the last status stands (the fleet is loaded, not lost)")
     engines: int = 0
+    held: bool = Field(False, description="no engine is registered, and requests are held until one is (scale from "
+                                          "zero, --scale-from-zero-timeout above 0; the answer is then 200)")
     detail: str | None = None
     missing: list[str] = Field(default_factory=list, description=(
-        "the parts that make it 503, by name: coordinator (unreachable), fleet (not RUNNING), engines (none can take "
+        "the parts missing, by name (on a 503, those that make it so): coordinator (unreachable), fleet (not RUNNING), engines (none can take "
         "a request), server (this server drains, or on the probe port its process does not answer)"))
 
 

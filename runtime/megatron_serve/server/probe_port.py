@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from ..client.loop_thread import EventLoopThread
 from ..limits import (HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, READY_STALL_TIMEOUT, STATUS_INTERVAL,
                       STATUS_TIMEOUT)
-from .fleet import FleetMonitor
+from .fleet import HELD, FleetMonitor
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -76,6 +76,7 @@ class ProbeFacts:
         self.ready_deadline = ready_deadline
         self.draining = False
         self.server_ready = False  # the main port's /ready verdict, from the server's last stamp
+        self.holds = False  # the server would hold a request for a first engine (scale from zero on, queue has room)
         self.loop_seen = time.monotonic()
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -102,15 +103,17 @@ class ProbeFacts:
                                                                "to the coordinator is not up yet)")
             return (200 if detail is None else 503), {"ready": detail is None, "state": None,
                                                       "coordinator_reachable": self.server_ready, "busy": False,
-                                                      "engines": 0, "detail": detail,
+                                                      "engines": 0, "held": False, "detail": detail,
                                                       "missing": [] if detail is None else ["server"]}
         reachable = monitor.reachable
-        detail = frozen or ("this server is shutting down (draining)" if self.draining else None) \
-            or monitor.not_ready_reason()
-        body = {"ready": detail is None, "state": monitor.state if reachable else None,
+        detail = frozen or ("this server is shutting down (draining)" if self.draining else None)
+        held = detail is None and self.holds and monitor.asleep()
+        detail = detail or (HELD if held else monitor.not_ready_reason())
+        ready = detail is None or held
+        body = {"ready": ready, "state": monitor.state if reachable else None,
                 "coordinator_reachable": reachable, "busy": monitor.busy, "engines": len(monitor.engines),
-                "detail": detail, "missing": self._missing(silent)}
-        return (200 if detail is None else 503), body
+                "held": held, "detail": detail, "missing": self._missing(silent)}
+        return (200 if ready else 503), body
 
     def _missing(self, silent: float) -> list[str]:
         """The parts missing, as the main port names them (``server``: draining, or silent past the deadline)."""

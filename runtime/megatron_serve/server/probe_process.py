@@ -9,7 +9,9 @@ tail (the figures: docs/design-measurements.md).
 :class:`ProbePort` (in the server process) listens on the probe socket, then starts ``python -m
 megatron_serve.server.probe_process`` with that socket and the read end of a pipe. Every
 ``STAMP_INTERVAL`` the server's event loop writes one byte to the pipe: ``r`` (serving, and the main
-port's ``/ready`` says ready), ``s`` (serving, not ready or not said) or ``d`` (draining). The probe
+port's ``/ready`` says ready), ``s`` (serving, not ready or not said) or ``d`` (draining); ``R`` and ``S`` say the
+same while the server would hold a request for a first engine (scale from zero is on and its queue has room), so that
+the probe port too is ready while its own watch sees a fleet without engines. The probe
 process answers ``/ready`` from its own control connection to the coordinator
 (:class:`~.probe_port.FleetWatch`) and the last byte; until that connection has had its first status
 (the process starts, imports and connects for a second or more after the main port is up), from the
@@ -52,12 +54,14 @@ class ProbePort:
     drains, ``ready()`` (when given) whether the main port's ``/ready`` says ready (both read at each stamp)."""
 
     def __init__(self, sock: socket.socket, address: str, token: str | None, draining: Callable[[], bool], *,
-                 ready: Callable[[], bool] | None = None, interval: float = STATUS_INTERVAL,
+                 ready: Callable[[], bool] | None = None, holds: Callable[[], bool] | None = None,
+                 interval: float = STATUS_INTERVAL,
                  timeout: float = STATUS_TIMEOUT, stall_timeout: float = HEALTH_STALL_TIMEOUT,
                  log_level: str = "WARNING") -> None:
         self.sock = sock
         self._draining = draining
         self._ready = ready
+        self._holds = holds
         sock.listen(PROBE_BACKLOG)  # probes queue from now; the probe process answers them once it runs
         read_end, self._stamps = os.pipe()
         os.set_blocking(self._stamps, False)
@@ -78,7 +82,7 @@ class ProbePort:
 
     def _stamp(self) -> None:
         try:
-            os.write(self._stamps, stamp_byte(self._draining(), self._ready))
+            os.write(self._stamps, stamp_byte(self._draining(), self._ready, self._holds))
         except BlockingIOError:
             pass  # the probe process is behind: the stamps it has not read yet say as much
         except OSError:  # it ended: say so once, and stop stamping (the probes fail, the kubelet restarts the pod)
@@ -107,11 +111,12 @@ class ProbePort:
         self.sock.close()
 
 
-def stamp_byte(draining: bool, ready: Callable[[], bool] | None) -> bytes:
+def stamp_byte(draining: bool, ready: Callable[[], bool] | None, holds: Callable[[], bool] | None = None) -> bytes:
     """The byte a stamp carries (see the module docstring)."""
     if draining:
         return b"d"
-    return b"r" if ready is not None and ready() else b"s"
+    byte = b"r" if ready is not None and ready() else b"s"
+    return byte.upper() if holds is not None and holds() else byte
 
 
 def read_stamps(data: bytes, facts: "ProbeFacts") -> None:
@@ -119,7 +124,8 @@ def read_stamps(data: bytes, facts: "ProbeFacts") -> None:
     facts.loop_seen = time.monotonic()
     last = data[-1:]
     facts.draining = last == b"d"
-    facts.server_ready = last == b"r"
+    facts.server_ready = last.lower() == b"r"
+    facts.holds = last.isupper()
 
 
 def main(argv: list[str] | None = None) -> int:

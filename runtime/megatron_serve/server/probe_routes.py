@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
+from .fleet import HELD
 from .models import HealthResponse, ReadyResponse
 
 
@@ -34,16 +35,22 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
              description="200 while requests are served now: the coordinator answers, the fleet is RUNNING, an "
                          "engine can take a request and this server is not draining (readiness). A PAUSED or "
                          "SUSPENDED fleet, or one without engines, still accepts requests (they wait), but is not "
-                         "ready. `/health` is the liveness answer.")
+                         "ready. With `--scale-from-zero-timeout` above 0, a RUNNING fleet without engines is ready "
+                         "(200, `held` true, `engines` 0) while the queue of held requests has room: the server takes "
+                         "them and serves them once an engine registers. `/health` is the liveness answer.")
     async def ready() -> Response:
         await monitor.wait_first_poll()
         if monitor.reachable:
             await monitor.fresh()  # the state as of now (a fleet paused a moment ago is not ready), or the last
         draining = "this server is shutting down (draining)" if ctx.drain.draining.is_set() else None
-        detail = draining or monitor.not_ready_reason()
-        body = ReadyResponse(ready=detail is None, state=monitor.state if monitor.reachable else None,
+        held = draining is None and ctx.wake is not None and ctx.wake.holds()
+        full = None if draining or ctx.wake is None else ctx.wake.full()
+        detail = draining or (HELD if held else None) or (
+            f"no engine is registered and the requests held for one fill the queue ({full})" if full else
+            monitor.not_ready_reason())
+        body = ReadyResponse(ready=detail is None or held, state=monitor.state if monitor.reachable else None,
                              coordinator_reachable=monitor.reachable, busy=monitor.busy, engines=len(monitor.engines),
-                             detail=detail, missing=[*monitor.missing(), *(["server"] if draining else [])])
+                             held=held, detail=detail, missing=[*monitor.missing(), *(["server"] if draining else [])])
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", tags=["probes"], response_class=Response,

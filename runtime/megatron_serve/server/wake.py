@@ -1,5 +1,8 @@
 """Scale from zero: a request that finds no engine registered waits here for one, bounded, and says it waits.
 
+Off unless ``--scale-from-zero-timeout`` is above 0 (vLLM has no engine-less server; a fleet that is not meant to
+scale to zero should say it is not ready rather than hold requests for an engine nobody brings back).
+
 A fleet scaled to zero engine groups (KEDA's ``minReplicaCount: 0``, ``kubectl scale mi --replicas=0``) keeps its
 coordinator and this server. Before, a request then went to the coordinator's queue and waited there without a
 limit or an end, and nothing the autoscaler reads asked for a group (the coordinator's queue depth counts requests
@@ -30,7 +33,7 @@ from prometheus_client.registry import Collector
 
 from ..http_options import WakeOptions
 from .errors import APIError
-from .fleet import RUNNING, FleetMonitor
+from .fleet import FleetMonitor
 from .metric_catalog import series
 
 #: ``megatron_serve_wake_seconds``' buckets: a model load is seconds to minutes.
@@ -50,8 +53,18 @@ class WakeGate:
         self.wake_sum = 0.0
 
     def asleep(self) -> bool:
-        monitor = self.monitor
-        return monitor.reachable and monitor.state == RUNNING and not monitor.engines
+        return self.options.enabled and self.monitor.asleep()
+
+    def holds(self) -> bool:
+        """Whether a request arriving now would be held (on, asleep, room in the queue): ``/ready`` is then 200,
+        since the server takes the request and serves it once an engine registers."""
+        return self.asleep() and self.waiting < self.options.queue
+
+    def full(self) -> str | None:
+        """Why a request arriving now is refused although the fleet is asleep and holding is on, or None."""
+        if self.asleep() and self.waiting >= self.options.queue:
+            return f"{self.waiting} requests already wait for one, --scale-from-zero-queue {self.options.queue}"
+        return None
 
     def _refuse(self, why: str) -> APIError:
         retry = max(1, math.ceil(self.options.timeout / 10))
@@ -60,12 +73,12 @@ class WakeGate:
                         headers={"Retry-After": str(retry)})
 
     async def hold(self) -> None:
-        """Return at once while an engine is registered (or the fleet is not RUNNING); else wait for one."""
+        """Return at once while an engine is registered, the fleet is not RUNNING or holding is off; else wait for one."""
         if not self.asleep():
             return
-        if self.waiting >= self.options.queue:
-            raise self._refuse(f"{self.waiting} requests already wait for one, --scale-from-zero-queue "
-                               f"{self.options.queue}")
+        full = self.full()
+        if full is not None:
+            raise self._refuse(full)
         arrived = time.monotonic()
         deadline = arrived + self.options.timeout
         self.waiting += 1
