@@ -400,7 +400,8 @@ async def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, 
     ctx = app.state.ctx
     await ctx.monitor.wait_first_poll()
     return ProbePort(probe_sock, address, token, lambda: ctx.drain.draining.is_set() or ctx.stopping.is_set(),
-                     ready=lambda: ctx.monitor.not_ready_reason() is None or (ctx.wake is not None and ctx.wake.holds()),
+                     ready=lambda: ctx.monitor.not_ready_reason() is None
+                     or (ctx.wake is not None and ctx.wake.holds()),
                      holds=None if ctx.wake is None else ctx.wake.holds,
                      interval=args.status_interval, timeout=args.status_timeout,
                      stall_timeout=args.health_stall_timeout, log_level=args.log_level)

@@ -73,7 +73,8 @@ class WakeGate:
                         headers={"Retry-After": str(retry)})
 
     async def hold(self) -> None:
-        """Return at once while an engine is registered, the fleet is not RUNNING or holding is off; else wait for one."""
+        """Return at once while an engine is registered, the fleet is not RUNNING or holding is off; else wait for
+        one."""
         if not self.asleep():
             return
         full = self.full()
