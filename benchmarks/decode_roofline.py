@@ -277,7 +277,7 @@ def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, 
 def replay_decode_tokens_per_s(model, shape: dict, batch: int, context: int, block_size: int,
                                device: torch.device, iters: int = 20) -> float:
     """The engine's decode graph for ``batch`` sequences at ``context`` tokens, replayed alone (eager on CPU)."""
-    from megatron_serve.engine.graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
+    from megatron_serve.engine.precompile.graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
     from megatron_serve.engine.kv.cache import KVCachePool  # noqa: PLC0415
     from megatron_serve.engine.step_plan import StepBuffers, StepPlan  # noqa: PLC0415
 

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--requests", type=int, default=32)
     args = parser.parse_args()
-    logging.getLogger("megatron_serve.engine.logprob_parity").setLevel(logging.ERROR)  # one warning per mismatch
+    logging.getLogger("megatron_serve.engine.sampling.logprob_parity").setLevel(logging.ERROR)  # one warning per mismatch
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(tmp, seed=0, hidden_size=args.hidden_size, num_layers=args.layers,
                                         num_heads=8, num_kv_heads=4, max_position_embeddings=1024))

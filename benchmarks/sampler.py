@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from megatron_serve.engine.sampler import Sampler
-from megatron_serve.engine.sampling_state import SamplingState
+from megatron_serve.engine.sampling.sampler import Sampler
+from megatron_serve.engine.sampling.sampling_state import SamplingState
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from cli_options import add_number_options

@@ -27,8 +27,8 @@ from pathlib import Path
 #: fragment is in a frame's file and whose names hold its function claims the sample
 STAGES: list[tuple[str, list[tuple[str, frozenset[str] | None]]]] = [
     ("forward (stand-in)", [("stand_in_forward.py", None), ("megatron_serve/engine/runner.py", None)]),
-    ("sample", [("megatron_serve/engine/sampler.py", None), ("megatron_serve/engine/sampling_state.py", None),
-                ("megatron_serve/engine/logits_processors.py", None), ("megatron_serve/engine/token_append.py", None)]),
+    ("sample", [("megatron_serve/engine/sampling/sampler.py", None), ("megatron_serve/engine/sampling/sampling_state.py", None),
+                ("megatron_serve/engine/sampling/logits_processors.py", None), ("megatron_serve/engine/token_append.py", None)]),
     ("detokenize", [("megatron_serve/client/detokenizer.py", None),
                     ("megatron_serve/tokenizer.py", frozenset({"decode", "convert_ids_to_tokens", "token_text"}))]),
     ("tokenize", [("megatron_serve/tokenizer.py", None), ("megatron_serve/client/prompts.py", None),

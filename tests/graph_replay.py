@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from megatron_serve.engine.precompile.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.runner import ModelRunner
 
 

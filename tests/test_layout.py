@@ -18,7 +18,7 @@ MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
 MAX_FLAT_MODULES = 12
 #: The issue's aim, held since model/'s layers import their configs for annotations only (the deepest
-#: chain: client.local_engine -> engine -> core -> memory_verbs -> weights.sources -> model.loader -> ...), and one
+#: chain: client.local_engine -> engine -> core -> verbs.memory -> weights.sources -> model.loader -> ...), and one
 #: floor more since the table of sampling parameters (wire.sampling_fields, importing nothing) sits beneath
 #: SamplingParams and the server's list of extensions, both at the foot of the server's twelve floors
 #: (server -> local -> app -> ... -> context -> generation -> wire.connection -> ... -> wire.sampling_params).
@@ -279,6 +279,17 @@ def test_the_engine_class_is_a_step_loop_of_bounded_size():
     assert "runner" not in assigned, "the engine holds the runner beside its worker"
 
 
+#: Modules directly in ``engine/`` (its ``__init__`` aside): a subsystem of several files gets a folder (sampling,
+#: the lifecycle verbs, what is compiled before serving) instead of spreading over the engine's top floor (32 files).
+MAX_ENGINE_TOP_FLOOR = 19
+
+
+def test_the_engine_top_floor_holds_few_files():
+    """The engine's subsystems live in folders: at most MAX_ENGINE_TOP_FLOOR modules sit directly in ``engine/``."""
+    flat = sorted(p.name for p in (PACKAGES["megatron_serve"] / "engine").glob("*.py") if p.name != "__init__.py")
+    assert len(flat) <= MAX_ENGINE_TOP_FLOOR, f"engine/ holds {len(flat)} flat modules: {flat}"
+
+
 def _engine_modules() -> dict[str, Path]:
     return {name: path for name, path in _modules().items() if name.startswith("megatron_serve.engine.")}
 
@@ -346,13 +357,13 @@ def test_no_engine_module_accumulates_per_token_lists():
 SAMPLING_LISTINGS = {
     "megatron_serve.wire.sampling_fields": "the table",
     "megatron_serve.wire.sampling_params": "SamplingParams' typed fields",
-    "megatron_serve.engine.sampler": "the filters' arguments",
+    "megatron_serve.engine.sampling.sampler": "the filters' arguments",
     "megatron_serve.server.rl.trl_generate": "TRL's GenerateRequest fields with TRL's defaults",
     "megatron_serve.commands.generate": "the command's --temperature, --top-p and --top-k",
 }
 #: The modules that read the table rather than name the parameters.
 SAMPLING_TABLE_READERS = ("server.models", "server.translate", "server.rl.vllm_sampling", "server.rl.sglang_generate",
-                          "generation_config", "engine.sampling_state", "engine.logprob_parity", "wire.sampling_params")
+                          "generation_config", "engine.sampling.sampling_state", "engine.sampling.logprob_parity", "wire.sampling_params")
 
 
 def _listed_names(node: ast.AST) -> set[str]:
@@ -406,7 +417,7 @@ def test_the_model_never_imports_the_weights_wing():
     assert not offenders, f"model modules importing weights/: {offenders}"
 
 
-REFIT_TRANSACTION = ("engine.memory_verbs", "engine.refit_targets", "weights.sources", "weights.sharded",
+REFIT_TRANSACTION = ("engine.verbs.memory", "engine.verbs.refit_targets", "weights.sources", "weights.sharded",
                      "weights.peer_pull", "weights.drafter", "weights.adapters")
 
 
@@ -431,7 +442,7 @@ def test_the_refit_transaction_probes_nothing():
 
 #: The plain engine's modules: they know drafts only as data (:mod:`megatron_serve.engine.drafts`, ``Emitted``'s
 #: accepted count), never the speculative wing, which the engine class composes and the worker calls through its hooks.
-PLAIN_ENGINE = ("scheduler", "steps", "worker", "token_append", "sequence", "output", "sampler", "sampling_state",
+PLAIN_ENGINE = ("scheduler", "steps", "worker", "token_append", "sequence", "output", "sampling.sampler", "sampling.sampling_state",
                 "step_plan", "runner", "drafts", "kv.blocks")
 
 

@@ -226,7 +226,7 @@ class InferenceConfig:
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)
-    cuda_graph_sizes: list[int] | None = None  # token counts captured (vLLM's --cuda-graph-sizes; engine.graphs)
+    cuda_graph_sizes: list[int] | None = None  # token counts captured (vLLM's --cuda-graph-sizes; engine.precompile.graphs)
     async_scheduling: bool = True  # prepare and launch step N+1 while step N runs (see engine.core)
     tensor_parallel_size: int = 1
     # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
@@ -246,7 +246,7 @@ class InferenceConfig:
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
+    verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.sampling.logprob_parity)
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
     # the tensor-parallel size of the trainer that recomputes log probs under megatron_serve.invariant (None:

@@ -52,7 +52,7 @@ def test_a_stack_is_named_by_its_innermost_claimed_frame():
     assert profile.stage_of([*loop, "submit (megatron_serve/server/generation.py:150)"]) == "dispatch"
     assert profile.stage_of([*loop, "data_received (uvicorn/protocols/http/httptools_impl.py:1)"]) == "HTTP parse"
     assert profile.stage_of(["step (megatron_serve/engine/process/loop.py:1)",
-                             "sample (megatron_serve/engine/sampler.py:1)"]) == "sample"
+                             "sample (megatron_serve/engine/sampling/sampler.py:1)"]) == "sample"
     assert profile.stage_of(["step (megatron_serve/engine/process/loop.py:1)"]) == "engine loop"
     assert profile.stage_of(loop) == "event loop"  # uvloop's C side: sockets, callbacks
     assert profile.stage_of(["<module> (megatron_serve/cli.py:1)", "collect (gc:1)"]) == "other"

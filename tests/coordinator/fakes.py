@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_serve.engine.kv.events import KVEventLog
 from megatron_serve.engine.served import EngineFacts, EngineLoad, Serving, Turn
-from megatron_serve.engine.verbs import call
+from megatron_serve.engine.verbs.actions import call
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.kv_blocks import wants_remote_prefill
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
@@ -126,7 +126,7 @@ class FakeEngine:
         self.kv_events = KVEventLog(block_size or 16)  # a fake caches nothing: its events say so
         self.memory = _Memory(self)
         self.adapters = _Adapters(self)
-        self.serving = Serving()  # the verbs are the real engine's table (engine.verbs), over this fake
+        self.serving = Serving()  # the verbs are the real engine's table (engine.verbs.actions), over this fake
         self._gate = threading.Event()
         self._gate.set()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.graphs import DecodeGraphs, StepGraphs, capture_sizes, graph_batch_sizes
+from megatron_serve.engine.precompile.graphs import DecodeGraphs, StepGraphs, capture_sizes, graph_batch_sizes
 from megatron_serve.engine.runner import ModelRunner
 from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.tiny import make_tiny_model
@@ -294,7 +294,7 @@ def test_expert_parallel_steps_are_captured_unless_the_backend_reads_counts_on_t
     are captured with the fixed-capacity all-to-all (``auto``/``alltoall``) or DeepEP's low-latency mode, under
     data-parallel attention too; refused where the backend's dispatch reads counts on the host every layer
     (``allgather_reducescatter``, DeepEP's normal mode) and in the batch-invariant mode (its expert loop)."""
-    from megatron_serve.engine import graphs  # noqa: PLC0415
+    from megatron_serve.engine.precompile import graphs  # noqa: PLC0415
     from megatron_serve.engine.sizing import engine_buffers  # noqa: PLC0415
     from megatron_serve.model.loader import load_model  # noqa: PLC0415
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from megatron_serve.engine.expert_api import ExpertApi
-from megatron_serve.engine.sampler import DeviceScores, Readback
+from megatron_serve.engine.sampling.sampler import DeviceScores, Readback
 from megatron_serve.engine.steps import Emitted
 from megatron_serve.wire.expert_routing import RoutingCapture
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,

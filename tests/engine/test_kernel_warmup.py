@@ -14,7 +14,7 @@ import torch
 
 from megatron_kernels.triton_decode_attention import split_count
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.warmup import compile_kernels, warmup_shapes
+from megatron_serve.engine.precompile.warmup import compile_kernels, warmup_shapes
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..jit_variants import recorded_variants

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.sampler import filtered_logits
-from megatron_serve.engine.sampling_state import SamplingState
-from megatron_serve.engine.logits_processors import apply_controls, apply_token_bitmask, unpack_bitmask
+from megatron_serve.engine.sampling.sampler import filtered_logits
+from megatron_serve.engine.sampling.sampling_state import SamplingState
+from megatron_serve.engine.sampling.logits_processors import apply_controls, apply_token_bitmask, unpack_bitmask
 
 from ..prompts import PROMPTS, run_requests
 

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.logprob_parity import SCORING_PREFIX, chosen
+from megatron_serve.engine.sampling.logprob_parity import SCORING_PREFIX, chosen
 
 from ..prompts import PROMPTS
 
@@ -57,7 +57,7 @@ def test_an_injected_mismatch_is_counted_and_logged_with_request_and_position(ti
     check = engine.parity.pending[SCORING_PREFIX + "tampered"]
     assert check.reported == bad.generated_log_probs
     check.reported[4] = math.nextafter(check.reported[4], 0.0)  # one ulp: the check is bitwise
-    with caplog.at_level(logging.WARNING, logger="megatron_serve.engine.logprob_parity"):
+    with caplog.at_level(logging.WARNING, logger="megatron_serve.engine.sampling.logprob_parity"):
         run_out(engine, delivered)
     assert sorted(delivered) == ["clean", "tampered"]  # the scoring requests never reach the caller
     assert clean.generated_log_probs and not engine.parity.pending
@@ -76,7 +76,7 @@ def test_float32_without_the_batch_invariant_mode_differs_and_the_check_says_so(
     engine = engine_for(tiny_llama, "float32")
     for i, prompt in enumerate(PROMPTS[:4]):
         add(engine, f"r{i}", prompt, sampled(i, 24))
-    with caplog.at_level(logging.WARNING, logger="megatron_serve.engine.logprob_parity"):
+    with caplog.at_level(logging.WARNING, logger="megatron_serve.engine.sampling.logprob_parity"):
         run_out(engine, [])
     counters = engine.stats.counters
     assert counters["logprob_parity_checked"] == 4 and counters["logprob_parity_mismatch"] >= 1

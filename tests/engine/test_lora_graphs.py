@@ -9,7 +9,7 @@ import torch
 
 from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.graphs import DecodeGraphs
+from megatron_serve.engine.precompile.graphs import DecodeGraphs
 from megatron_serve.engine.lora.graphs import LoraDecodeGraphs, add_lora_graphs
 from megatron_serve.model.tiny import make_tiny_model
 

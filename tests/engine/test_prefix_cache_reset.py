@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.verbs import call
+from megatron_serve.engine.verbs.actions import call
 from megatron_serve.wire.kv_events import MEDIUM_DEVICE, MEDIUM_HOST
 from megatron_serve.wire.lifecycle import Step
 from megatron_serve.wire.messages import ResetPrefixCache

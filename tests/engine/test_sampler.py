@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve.engine.sampler import SampleResult, Sampler
-from megatron_serve.engine.sampling_state import SamplingState
+from megatron_serve.engine.sampling.sampler import SampleResult, Sampler
+from megatron_serve.engine.sampling.sampling_state import SamplingState
 from megatron_serve.wire.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -94,8 +94,8 @@ def test_the_draws_are_the_hash_formula_whatever_the_chunking(monkeypatch):
     samples the logits as they are: each token is still ``argmax(logits + g)`` for the noise of the formula in
     one pass (``-log(-log u)``, ``u`` from the hash of the row's key and the token's), or the logits' argmax
     for a row without a finite maximum (NaN, infinite, all -inf)."""
-    from megatron_serve.engine import sampler
-    from megatron_serve.engine.sampling_state import MASK32, fmix32
+    from megatron_serve.engine.sampling import sampler
+    from megatron_serve.engine.sampling.sampling_state import MASK32, fmix32
 
     rows, vocab = 7, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3

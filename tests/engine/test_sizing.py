@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_serve import InferenceConfig
-from megatron_serve.engine.graphs import largest_graph
+from megatron_serve.engine.precompile.graphs import largest_graph
 from megatron_serve.engine.sizing import serving_reserve_bytes
 from megatron_serve.model.config import ModelConfig
 

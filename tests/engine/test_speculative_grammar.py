@@ -16,7 +16,7 @@ import pytest
 from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.engine.speculative.decoder import Speculator
-from megatron_serve.engine.structured_output import StructuredOutputs
+from megatron_serve.engine.sampling.structured_output import StructuredOutputs
 from megatron_serve.wire.request import FinishReason
 from megatron_serve.wire.sampling_params import StructuredOutputsParams
 

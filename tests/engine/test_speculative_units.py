@@ -9,8 +9,8 @@ import torch
 
 from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
-from megatron_serve.engine.sampler import Sampler
-from megatron_serve.engine.sampling_state import SamplingState
+from megatron_serve.engine.sampling.sampler import Sampler
+from megatron_serve.engine.sampling.sampling_state import SamplingState
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.engine.speculative.decoder import Speculator
 from megatron_serve.engine.speculative.factory import make_proposer

@@ -14,7 +14,7 @@ import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
-from megatron_serve.engine.logprob_parity import ParityChecker
+from megatron_serve.engine.sampling.logprob_parity import ParityChecker
 from megatron_serve.invariant import batch_invariant
 
 from ..devices import tensor_parallel_device

@@ -38,7 +38,7 @@ if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, neve
 
     InferenceConfig.gathers_rows = property(_maybe_partial_sums)  # type: ignore[method-assign]
 
-    from megatron_serve.engine import graphs
+    from megatron_serve.engine.precompile import graphs
     from megatron_serve.engine.runner import ModelRunner
 
     def _note(line: str) -> None:

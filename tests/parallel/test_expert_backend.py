@@ -19,7 +19,7 @@ from megatron_serve.client.vllm_args import parse_llm_keywords
 from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
 from megatron_serve.config import ALL2ALL_BACKENDS
 from megatron_serve.engine.experts.backend import install_expert_backend, rank_tokens, resolve_backend
-from megatron_serve.engine.graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from megatron_serve.engine.precompile.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.sizing import engine_buffers
 from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve.model.experts import dispatch as expert_dispatch

@@ -21,7 +21,7 @@ import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.graphs import capture_sizes, graph_batch_sizes
+from megatron_serve.engine.precompile.graphs import capture_sizes, graph_batch_sizes
 from megatron_serve.engine.kv.cache import blocks_for_tokens
 from megatron_serve.multimodal import PromptImage
 

@@ -1,7 +1,7 @@
 """The pure pieces of LoRA adapters in a policy refit (weights.adapters) and of a peer pull (weights.peer_pull).
 
 An engine builds every adapter before the first policy tensor reaches a live weight: the refit's routing
-(:func:`~megatron_serve.engine.refit_targets.route`) hands them over before yielding any policy pair, and a refusal
+(:func:`~megatron_serve.engine.verbs.refit_targets.route`) hands them over before yielding any policy pair, and a refusal
 there stops the stream with nothing yielded. A rendezvous
 that lists adapters outside a sharded refit, or one twice, is refused. A peer pull copies a donor's state byte for
 byte over a real gloo pair, and refuses a donor of another layout or epoch before any byte moves.
@@ -17,7 +17,7 @@ import torch
 
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
-from megatron_serve.engine.refit_targets import route
+from megatron_serve.engine.verbs.refit_targets import route
 from megatron_serve.weights.adapters import adapter_tensor, adapters_first, split_name
 from megatron_serve.weights.peer_pull import PeerSource, PeerWeights, layout_digest
 from megatron_serve.wire.messages import LoraPush, PeerShare, PieceSpec, Rendezvous, TensorSpec

@@ -125,7 +125,7 @@ def test_every_component_reads_the_table():
     from megatron_serve.commands.control import VERBS, add_arguments
     from megatron_serve.coordinator.verbs.table import HANDLERS
     from megatron_serve.server.admin import ADMIN_BODIES
-    from megatron_serve.engine.verbs import ACTIONS, REGISTER
+    from megatron_serve.engine.verbs.actions import ACTIONS, REGISTER
     from megatron_serve.wire.protocol import HEADER_VERBS, VERB_HEADERS, step_of
 
     assert set(ACTIONS) - {REGISTER} == set(Step) - {Step.STOP}  # the engine knows what every step but STOP does

@@ -11,8 +11,8 @@ import pydantic
 import pytest
 import torch
 
-from megatron_serve.engine.logprob_parity import ParityChecker
-from megatron_serve.engine.sampling_state import SamplingState
+from megatron_serve.engine.sampling.logprob_parity import ParityChecker
+from megatron_serve.engine.sampling.sampling_state import SamplingState
 from megatron_serve.generation_config import GenerationDefaults
 from megatron_serve.server.models import ChatCompletionRequest, CompletionRequest
 from megatron_serve.server.rl.sglang_generate import SglangSamplingParams
@@ -163,7 +163,7 @@ def test_a_greedy_request_uses_no_filter_but_keeps_its_penalties():
 def test_the_parity_checker_scores_with_the_originals_filters():
     checker = ParityChecker(1.0, 64, "processed_logprobs")
     original = SamplingParams(**{row.name: _engine(row) for row in FILTERS}, return_log_probs=True)
-    from megatron_serve.engine.logprob_parity import Reported  # noqa: PLC0415
+    from megatron_serve.engine.sampling.logprob_parity import Reported  # noqa: PLC0415
 
     reported = Reported([1, 2], original, tokens=[3], log_probs=[-0.5], epochs={0})
     request = checker.scoring_request(reported, FinalRecord(request_id="r", status=RequestStatus.COMPLETED), 0)

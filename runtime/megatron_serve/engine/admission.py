@@ -16,7 +16,7 @@ from .encoder_cache import EncoderCache
 from .kv.cache import blocks_for_tokens
 from .lora.adapters import EngineLoras, LoraAdapterError, Registration, admit_request
 from .sequence import Sequence
-from .structured_output import StructuredOutputs
+from .sampling.structured_output import StructuredOutputs
 
 
 @dataclass

@@ -21,7 +21,7 @@ rejected (:mod:`.speculative.decoder`; the cases that read first instead are lis
 tokens before the step is scheduled (``num_drafts``), the scheduler gives them query rows, the worker verifies a step
 that has draft rows, and the scheduler rolls the rejected ones back by counts when the step is read (:mod:`.drafts`).
 
-The engine process reaches every lifecycle verb through one entry, ``call(step, body)`` (:mod:`.verbs`: one table of
+The engine process reaches every lifecycle verb through one entry, ``call(step, body)`` (:mod:`.verbs.actions`: one table of
 actions over the verbs' objects), and prefill/decode disaggregation through two, ``kv_in`` and ``kv_out``.
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
@@ -48,21 +48,21 @@ from ..wire.lifecycle import Step
 from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
 from .experts.backend import install_expert_backend
-from .graphs import graphs_for, largest_graph
+from .precompile.graphs import graphs_for, largest_graph
 from .kv.tiers import KVTiers
-from .logprob_parity import ParityChecker
+from .sampling.logprob_parity import ParityChecker
 from .lora.adapters import engine_loras
 from .lora.verbs import Adapters
-from .memory_verbs import DeviceMemory
+from .verbs.memory import DeviceMemory
 from .report import EngineReport
 from .runner import ModelRunner
-from .sampler import Sampler
+from .sampling.sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad, Serving, Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .speculative.factory import make_speculator
 from .steps import InFlightStep, StepOutput, one_per_request
-from .verbs import call
+from .verbs.actions import call
 from .worker import ModelWorker
 from ..weights.peer_pull import layout_digest
 
@@ -180,7 +180,7 @@ class DynamicInferenceEngine:
 
     def call(self, step: Step | str, body: Any) -> dict[str, Any]:
         """A lifecycle verb (or a registration) between two steps, given its message: what the engine did, the
-        acknowledgement's detail (one table of actions, :mod:`.verbs`)."""
+        acknowledgement's detail (one table of actions, :mod:`.verbs.actions`)."""
         return call(self, step, body)
 
     def add_request(self, request: Submitted, kv_transfer_params: dict[str, Any] | None = None) -> None:

@@ -22,13 +22,13 @@ import torch
 from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.experts.moe import empty_moe_pass, stack_routing
-from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .precompile.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .kv.copier import Copier, copier_for
 from .kv.transfer import NoOtherRanks, OtherRanks
 from .micro_batches import micro_batches
 from .served import Turn
 from .step_plan import StepBuffers, StepPlan
-from .warmup import compile_kernels
+from .precompile.warmup import compile_kernels
 
 if TYPE_CHECKING:
     from ..model.lora.slots import LoraRows

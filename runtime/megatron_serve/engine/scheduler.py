@@ -42,9 +42,9 @@ from .admission import Admission
 from .drafts import restore, roll_back
 from .kv.blocks import READING, SequenceBlocks
 from .kv.cache import BlockAllocator
-from .logprob_parity import ParityChecker
+from .sampling.logprob_parity import ParityChecker
 from .lora.queue import LoraQueue
-from .prompt_scores import record_prompt_scores
+from .sampling.prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .tenancy import TenantPolicy
 from .steps import Emitted, InFlightStep, StepOutput

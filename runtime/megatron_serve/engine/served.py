@@ -4,7 +4,7 @@
 fleet tests. Both implement this protocol, so the process reads each fact directly: it used to probe the engine
 with 18 ``getattr(engine, name, default)`` calls, which turned a misspelt or missing member into a
 silently wrong HELLO (a fleet without a block size routes without prefix affinity) instead of an error.
-Every lifecycle verb reaches the engine through one member, ``call(step, body)`` (:mod:`.verbs`), and prefill/decode
+Every lifecycle verb reaches the engine through one member, ``call(step, body)`` (:mod:`.verbs.actions`), and prefill/decode
 disaggregation through two, ``kv_in`` and ``kv_out``, with a request's ``kv_transfer_params`` given as it is added.
 """
 

@@ -13,7 +13,7 @@ import torch
 
 from ..wire.deltas import PromptScores
 from ..wire.request import FinalRecord
-from .sampler import DeviceSample, DeviceScores, Readback
+from .sampling.sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence
 
 #: The record a caller added a request as, when it was not the engine's own request (Megatron's expert API's public

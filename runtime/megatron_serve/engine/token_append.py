@@ -15,7 +15,7 @@ import numpy as np
 from ..wire.request import EventType, FinishReason
 from .sequence import Sequence
 from .steps import Emitted, StepOutput
-from .structured_output import StructuredOutputs
+from .sampling.structured_output import StructuredOutputs
 
 
 def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids: list[int] | None,

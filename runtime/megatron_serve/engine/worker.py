@@ -21,21 +21,21 @@ import torch
 
 from ..heap import keep_freed_memory
 from .encoder_cache import EncoderCache
-from .logits_processors import apply_controls, apply_token_bitmask
-from .prompt_scores import score_prompts
-from .sampler import Readback, Sampler
-from .sampling_state import SamplingState
+from .sampling.logits_processors import apply_controls, apply_token_bitmask
+from .sampling.prompt_scores import score_prompts
+from .sampling.sampler import Readback, Sampler
+from .sampling.sampling_state import SamplingState
 from .step_plan import write_plan
 from .drafts import mark_in_flight
 from .steps import Emitted, InFlightStep, Verification
-from .structured_output import StructuredOutputs
+from .sampling.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
     from ..tokenizer import Vocabulary
     from .kv.cache import KVCachePool
-    from .logprob_parity import ParityChecker
+    from .sampling.logprob_parity import ParityChecker
     from .runner import ModelRunner
     from .scheduler import ScheduledBatch
     from .sequence import Sequence

@@ -38,7 +38,7 @@ class WeightSource(Protocol):
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every ``(name, shape)`` pair the source carries (the drafter's and the adapters' included), reading no
-        tensor data: what the refit's targets other than the policy check (:mod:`..engine.refit_targets`)."""
+        tensor data: what the refit's targets other than the policy check (:mod:`..engine.verbs.refit_targets`)."""
 
     def adapters(self) -> tuple[LoraPush, ...]:
         """The LoRA adapter versions the source carries beside the policy (a sharded refit's only)."""

@@ -12,11 +12,11 @@ key whose value becomes its default, and the per-slot input the sampler reads it
   ``SamplingParams`` in a loop (``server/translate.py``) and speaks vLLM's and SGLang's names through it
   (``server/rl/``);
 * ``generation_config.py`` takes the defaults of the rows with a ``generation_config`` key;
-* the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling_state.py``), and the parity checker
-  scores a request again with its ``FILTER`` rows (``engine/logprob_parity.py``).
+* the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling/sampling_state.py``), and the parity checker
+  scores a request again with its ``FILTER`` rows (``engine/sampling/logprob_parity.py``).
 
 So a new sampling parameter is a row here, a typed field in ``SamplingParams``, the op that applies it
-(``engine/sampler.py`` for a filter, ``engine/logits_processors.py`` for a penalty or control) and its test.
+(``engine/sampling/sampler.py`` for a filter, ``engine/sampling/logits_processors.py`` for a penalty or control) and its test.
 Standard library only: the HTTP server and the coordinator import it without torch.
 """
 

@@ -8,7 +8,7 @@ API makes its ``POST /v1/admin/{verb}`` routes and their bodies from it; ``Megat
 ``MegatronAsyncLLM`` call every verb through the same ``control``, and direct mode (no fleet) refuses
 a fleet verb by this table. A new verb is a row here, its steps in :mod:`.lifecycle`, a header of its name in
 :mod:`.protocol` (with fields of its own, its message in :mod:`.controls`), its handler in the coordinator's table
-(``coordinator/verbs/table.py``) and what an engine does for it (``engine/verbs.py``);
+(``coordinator/verbs/table.py``) and what an engine does for it (``engine/verbs/actions.py``);
 ``tests/client/test_verb_table.py`` holds every surface to the table.
 
 Pure, standard library only (the operator reads it too).

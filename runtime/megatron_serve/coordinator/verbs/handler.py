@@ -3,7 +3,7 @@
 The runner (:mod:`.runner`) does what every verb shares: the queue, the lifecycle table's transition, one broadcast
 per step, the acknowledgements each step waits for, the kept answers. Whatever belongs to one verb (PAUSE's mode,
 REFIT's weights, a LoRA verb's adapter, SCALE_EP's size) is its handler's state and its handler's hooks, registered
-in one table (:mod:`.table`), as the engine's :data:`~megatron_serve.engine.verbs.ACTIONS`. A verb whose hooks are
+in one table (:mod:`.table`), as the engine's :data:`~megatron_serve.engine.verbs.actions.ACTIONS`. A verb whose hooks are
 all the defaults (UNPAUSE, RESUME) is this class itself: its steps go to every engine as a plain
 :class:`~megatron_serve.wire.controls.Control`, and its answer is what every engine said.
 """

@@ -23,7 +23,7 @@ from ...config import InferenceConfig
 from ...model.experts.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
 from ...model.experts.dispatch import ExpertStep, install_dispatchers
 from ...model.experts.moe import SparseMoeBlock
-from ..graphs import capture_sizes
+from ..precompile.graphs import capture_sizes
 from .balancer import ExpertBalancer, place_experts
 
 logger = logging.getLogger(__name__)

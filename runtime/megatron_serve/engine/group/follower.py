@@ -19,7 +19,7 @@ from ...weights.drafter import policy_only
 from ...weights.peer_pull import follow_share
 from ...weights.sources import WeightSource
 from ..experts.backend import install_expert_backend
-from ..graphs import graphs_for, largest_graph
+from ..precompile.graphs import graphs_for, largest_graph
 from ..kv.cache import KVCachePool
 from ..kv.park import ParkedKV, ParkOrder
 from ..runner import ModelRunner

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ...errors import EngineGroupLost
 from ...model.lora.checkpoint import LoraAdapter
 from ...weights.sources import WeightSource
-from ..graphs import StepGraphs
+from ..precompile.graphs import StepGraphs
 from ..kv.copier import Copier
 from ..kv.park import ParkOrder
 from ..kv.transfer import OtherRanks

@@ -19,7 +19,7 @@ import torch
 
 from megatron_kernels.reference_lora import LoraBatch
 
-from ..graphs import DecodeGraphs, GraphOutputs
+from ..precompile.graphs import DecodeGraphs, GraphOutputs
 
 if TYPE_CHECKING:
     from ...model.lora.slots import LoraSlots

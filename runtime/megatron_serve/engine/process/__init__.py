@@ -12,7 +12,7 @@ Two threads with one job each:
   the coordinator tells a hung step loop from a live one.
 
 The shell does no verb's work: it checks a verb against the lifecycle table and hands it to the engine
-(``engine.call(step, body)``, :mod:`megatron_serve.engine.verbs`), then acknowledges with what the engine answered;
+(``engine.call(step, body)``, :mod:`megatron_serve.engine.verbs.actions`), then acknowledges with what the engine answered;
 so vLLM's ``EngineCoreProc`` (the loop, its sockets) stands apart from ``EngineCore``. One module per job of the
 loop: :mod:`.loop` (the loop), :mod:`.inbox` (what the coordinator sent), :mod:`.registration` (a registration,
 first or again), :mod:`.verb` (a verb's dispatch), :mod:`.drain` (draining and the hand-back), :mod:`.stats` (what

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ...wire.lifecycle import FleetState
 from ...wire.handshake import HelloAck
 from ...wire.protocol import Header
-from ..verbs import REGISTER
+from ..verbs.actions import REGISTER
 
 if TYPE_CHECKING:
     from .shell import Shell

@@ -59,15 +59,15 @@ from typing import TYPE_CHECKING, Callable, Container, Iterable
 
 import torch
 
-from ..logits_processors import apply_controls, apply_token_bitmask
+from ..sampling.logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
 from ..steps import Emitted, InFlightStep, Verification
 from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
-    from ..sampler import Sampler
-    from ..sampling_state import SamplingState, StepRows
+    from ..sampling.sampler import Sampler
+    from ..sampling.sampling_state import SamplingState, StepRows
     from ..scheduler import ScheduledBatch
     from ..sequence import Sequence
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.sampling_params import LOGPROBS_MODES, SamplingParams
+from ...wire.sampling_params import LOGPROBS_MODES, SamplingParams
 from .sampling_state import MASK32, SamplingState, StepRows, fmix32
 
 

@@ -8,10 +8,10 @@ from typing import Callable
 
 import torch
 
-from ..wire.deltas import PromptScores
+from ...wire.deltas import PromptScores
 from .sampler import DeviceScores, score_tokens
-from .sequence import Sequence
-from .step_plan import prompt_positions_to_score
+from ..sequence import Sequence
+from ..step_plan import prompt_positions_to_score
 
 
 def score_prompts(entries: list[tuple[Sequence, int]], logits: torch.Tensor,

@@ -21,23 +21,23 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..errors import RefitFailed
-from ..weights.peer_pull import PeerWeights
-from ..weights.sources import RendezvousSource, WeightSource, weight_source
-from ..wire.rendezvous import LoraPush
-from .kv.park import ParkedKV, ParkOrder
-from .lora.adapters import require
+from ...errors import RefitFailed
+from ...weights.peer_pull import PeerWeights
+from ...weights.sources import RendezvousSource, WeightSource, weight_source
+from ...wire.rendezvous import LoraPush
+from ..kv.park import ParkedKV, ParkOrder
+from ..lora.adapters import require
 from .refit_targets import AdapterTarget, PolicyTarget, WeightTarget, route, speculative_targets
 
 if TYPE_CHECKING:
-    from ..config import InferenceConfig
-    from ..model.llama import LlamaForCausalLM
-    from .kv.cache import BlockAllocator, KVCachePool
-    from .logprob_parity import ParityChecker
-    from .lora.adapters import EngineLoras
-    from .scheduler import Scheduler
-    from .speculative.decoder import Speculator
-    from .worker import ModelWorker
+    from ...config import InferenceConfig
+    from ...model.llama import LlamaForCausalLM
+    from ..kv.cache import BlockAllocator, KVCachePool
+    from ..sampling.logprob_parity import ParityChecker
+    from ..lora.adapters import EngineLoras
+    from ..scheduler import Scheduler
+    from ..speculative.decoder import Speculator
+    from ..worker import ModelWorker
 
 logger = logging.getLogger("megatron_serve.engine")
 

@@ -33,7 +33,7 @@ import torch
 
 from megatron_kernels.ops import backend_for
 
-from .step_plan import StepBuffers, StepPlan
+from ..step_plan import StepBuffers, StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from ..grammar import grammar_for
-from ..wire.sampling_params import StructuredOutputsParams
-from ..tokenizer import Vocabulary
+from ...grammar import grammar_for
+from ...wire.sampling_params import StructuredOutputsParams
+from ...tokenizer import Vocabulary
 
 logger = logging.getLogger(__name__)
 

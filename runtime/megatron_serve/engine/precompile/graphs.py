@@ -31,13 +31,13 @@ import torch
 
 from megatron_kernels.ops import backend_for
 
-from ..config import InferenceConfig
-from ..model.experts.moe import routing_dtype, stack_routing
-from ..model.attention import AttentionMetadata, ForwardContext
-from .step_plan import StepBuffers, StepPlan
+from ...config import InferenceConfig
+from ...model.experts.moe import routing_dtype, stack_routing
+from ...model.attention import AttentionMetadata, ForwardContext
+from ..step_plan import StepBuffers, StepPlan
 
 if TYPE_CHECKING:  # annotations only: the runner hands graphs the model
-    from ..model.llama import LlamaForCausalLM
+    from ...model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

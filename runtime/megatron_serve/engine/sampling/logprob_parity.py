@@ -29,16 +29,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
-from ..wire.engine_stats import EngineStats
-from ..wire.deltas import PromptScores
-from ..wire.request import EngineRequest, FinalRecord, RequestStatus
-from ..wire.sampling_fields import FILTERS, PRIORITY_MAX
-from ..wire.sampling_params import SamplingParams
+from ...wire.engine_stats import EngineStats
+from ...wire.deltas import PromptScores
+from ...wire.request import EngineRequest, FinalRecord, RequestStatus
+from ...wire.sampling_fields import FILTERS, PRIORITY_MAX
+from ...wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover - the checker itself handles no tensor
     from torch import Tensor
 
-    from .sequence import Sequence as EngineSequence
+    from ..sequence import Sequence as EngineSequence
 
     Process = Callable[[Tensor, SamplingParams], Tensor]
 

@@ -20,16 +20,16 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import RefitFailed
-from ..wire.lifecycle import FleetState, Step
-from ..wire.lora_names import shown
-from ..wire.controls import Control, LoadLora, Refit, ResetPrefixCache, ScaleEp, Suspend, UnloadLora
-from ..wire.handshake import HelloAck
-from ..wire.rendezvous import RENDEZVOUS_SCHEME
+from ...errors import RefitFailed
+from ...wire.lifecycle import FleetState, Step
+from ...wire.lora_names import shown
+from ...wire.controls import Control, LoadLora, Refit, ResetPrefixCache, ScaleEp, Suspend, UnloadLora
+from ...wire.handshake import HelloAck
+from ...wire.rendezvous import RENDEZVOUS_SCHEME
 
 if TYPE_CHECKING:
-    from ..weights.sources import WeightSource
-    from .served import ServedEngine
+    from ...weights.sources import WeightSource
+    from ..served import ServedEngine
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -120,7 +120,7 @@ def _refit(engine: ServedEngine, body: Refit) -> dict[str, Any]:
     phase = body.phase or "load"
     source: WeightSource | str = body.source
     if body.rendezvous is not None:
-        from ..weights.sharded import rendezvous_source  # noqa: PLC0415 - torch only where an engine lives
+        from ...weights.sharded import rendezvous_source  # noqa: PLC0415 - torch only where an engine lives
 
         source = rendezvous_source(body.rendezvous, body.source)
     serving = engine.serving
@@ -148,7 +148,7 @@ def _refit(engine: ServedEngine, body: Refit) -> dict[str, Any]:
                 timings["total_s"], timings["verify_s"], timings["load_s"])
     facts = {**{k: round(float(v), 6) for k, v in timings.items() if k not in ("epoch", "drafter_error")},
              "epoch": int(timings["epoch"]), "source": body.source}
-    if "drafter_error" in timings:  # the policy changed, the drafter could not (engine.memory_verbs)
+    if "drafter_error" in timings:  # the policy changed, the drafter could not (engine.verbs.memory)
         facts["drafter_error"] = timings["drafter_error"]
     if "peer_store" in serving.info:
         facts["peer_store"] = serving.info["peer_store"]
@@ -241,7 +241,7 @@ def _sync_weights(engine: ServedEngine, refit: dict[str, Any]) -> str | None:
                 f" from engine {peer.get('engine_id')}" if isinstance(peer, dict) else "")
     try:
         if isinstance(peer, dict):
-            from ..weights.peer_pull import PeerSource  # noqa: PLC0415 - torch only where an engine lives
+            from ...weights.peer_pull import PeerSource  # noqa: PLC0415 - torch only where an engine lives
 
             timings = engine.memory.refit(PeerSource(str(peer["address"]), str(peer["prefix"]), epoch,
                                                      float(peer["timeout_s"]), source), epoch)

@@ -29,8 +29,8 @@ from typing import Iterable, Sequence as Seq
 import numpy as np
 import torch
 
-from ..wire.sampling_fields import FILTER, PENALTIES, SAMPLER_INPUTS
-from ..wire.sampling_params import SamplingParams
+from ...wire.sampling_fields import FILTER, PENALTIES, SAMPLER_INPUTS
+from ...wire.sampling_params import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

@@ -19,15 +19,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, cast
 
-from ..model.llama import LlamaForCausalLM
-from ..model.loader import load_weights
-from ..weights.adapters import adapter_shapes, is_adapter, split_name
-from ..weights.digests import forget_digests
-from ..weights.drafter import DRAFTER_PREFIX, drafter_shapes, is_drafter
-from ..weights.sources import WeightSource
-from ..wire.rendezvous import LoraPush
-from .lora.adapters import EngineLoras, Registration
-from .speculative.proposer import Proposer
+from ...model.llama import LlamaForCausalLM
+from ...model.loader import load_weights
+from ...weights.adapters import adapter_shapes, is_adapter, split_name
+from ...weights.digests import forget_digests
+from ...weights.drafter import DRAFTER_PREFIX, drafter_shapes, is_drafter
+from ...weights.sources import WeightSource
+from ...wire.rendezvous import LoraPush
+from ..lora.adapters import EngineLoras, Registration
+from ..speculative.proposer import Proposer
 
 logger = logging.getLogger("megatron_serve.engine")
 
