@@ -86,9 +86,9 @@ def measure(engines: int, total: int, completions: int, step_outputs: int, clock
         submitted = replay.submitted
     admit = replay.seconds / total
     gc.collect()
-    held = len(core.requests)
+    held = len(core.flow.table)
     per_request = (rss() - before) / held
-    queued = core.requests.count(Phase.QUEUED)
+    queued = core.flow.table.count(Phase.QUEUED)
     held_by = {engine: _submitted(replay, engine) for engine in replay.engines}  # what admission sent each
 
     replay.seconds = 0.0

@@ -279,6 +279,25 @@ def test_the_engine_class_is_a_step_loop_of_bounded_size():
     assert "runner" not in assigned, "the engine holds the runner beside its worker"
 
 
+#: The coordinator's core routes each input to its parts (the request flow, the fleet's weights, the verb runner,
+#: liveness, dispatch) and holds the fleet's membership: at 494 lines it held every request's way through it too.
+MAX_COORDINATOR_CORE_LINES = 300
+
+
+def test_the_coordinator_core_routes_to_its_parts():
+    """``CoordinatorCore`` stays under MAX_COORDINATOR_CORE_LINES lines: a request's way (submit, mirror, finish,
+    deliver, requeue) is :class:`RequestFlow`'s, the weights generation :class:`FleetWeights`'s, and the job modules
+    reach them as the core's named parts (``core.flow``, ``core.weights``)."""
+    (cls,) = [node for node in _tree(PACKAGES["megatron_serve"] / "coordinator" / "core.py").body
+              if isinstance(node, ast.ClassDef) and node.name == "CoordinatorCore"]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines < MAX_COORDINATOR_CORE_LINES, f"CoordinatorCore is {lines} lines"
+    attributes = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                  for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                  if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert {"flow", "weights"} <= attributes and not attributes & {"requests", "handoffs", "epoch", "weights_source"}
+
+
 #: Modules directly in ``engine/`` (its ``__init__`` aside): a subsystem of several files gets a folder (sampling,
 #: the lifecycle verbs, what is compiled before serving) instead of spreading over the engine's top floor (32 files).
 MAX_ENGINE_TOP_FLOOR = 19

@@ -53,9 +53,9 @@ def test_requests_are_dispatched_finished_once_and_forgotten_on_ack():
     assert len(results) == 1 and results[0].client_request_id == "r0"
     assert results[0].request["request_id"] == "c1/r0" and results[0].request["generated_tokens"] == [5, 6, 7]
     reply = status(h)
-    assert (reply.completed, reply.in_flight, reply.queued) == (1, 2, 0) and h.core.stale_outputs == 1
+    assert (reply.completed, reply.in_flight, reply.queued) == (1, 2, 0) and h.core.flow.stale_outputs == 1
     h.send(C, Header.RESULT_ACK, ResultAck(client_request_ids=["r0"]))
-    assert h.core.requests.get("c1/r0") is None and len(h.core.requests) == 2
+    assert h.core.flow.table.get("c1/r0") is None and len(h.core.flow.table) == 2
 
 
 def test_a_lost_engine_hands_its_requests_to_another_which_continues_from_the_mirrored_tokens():
@@ -126,7 +126,7 @@ def test_refit_verifies_everywhere_before_any_engine_loads_and_the_load_gets_the
     error = h.take(C, Header.ERROR)[0]
     assert error.code == "refit_failed" and e1 in error.message
     assert [b.phase for b in h.take(E2, Header.REFIT)] == ["verify"]  # and never a load
-    assert h.core.epoch == 0
+    assert h.core.weights.epoch == 0
 
     h.send(C, Header.REFIT, Refit(control_id="good", source="/w1"))
     for peer in (E1, E2):
@@ -261,7 +261,7 @@ def test_mirrored_tokens_keep_their_epochs_and_unknown_ones_are_minus_one():
     out = RequestDelta(request_id="c1/r", new_tokens=[4, 5], finished=False, epochs=[[3, 3], [2, 3]])
     h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
     step(h, E1, e1, "c1/r", [6])  # an engine that does not report them
-    record = h.core.requests.get("c1/r")
+    record = h.core.flow.table.get("c1/r")
     assert record.out.policy_epochs == [3, 3, -1] and record.out.kv_epochs == [2, 3, -1]
 
 
@@ -285,7 +285,7 @@ def test_images_are_limited_must_arrive_placed_and_are_sent_with_every_dispatch_
     first = h.take(E1, Header.ENGINE_SUBMIT)[0].request
     assert first["prompt_tokens"] == [4, 0, 0, 4]
     assert first["images"] == [{"data": b"png", "offset": 1, "length": 2}]
-    assert h.core.requests.get("c1/r").prefix_keys[1:3] == [PromptImage(b"png").cache_key] * 2
+    assert h.core.flow.table.get("c1/r").prefix_keys[1:3] == [PromptImage(b"png").cache_key] * 2
 
     step(h, E1, e1, "c1/r", [7])
     h.engine(E2, group=1, capacity=1)

@@ -85,7 +85,7 @@ def test_a_text_prompt_is_refused_with_an_error_naming_it_the_coordinator_tokeni
     error = h.take(C, Header.ERROR)[0]
     assert error.code == ErrorCode.INVALID_REQUEST.value and error.client_request_id == "r"
     assert "text prompt" in error.message and "loads no tokenizer" in error.message
-    assert not h.take(E1, Header.ENGINE_SUBMIT) and not h.core.requests.records
+    assert not h.take(E1, Header.ENGINE_SUBMIT) and not h.core.flow.table.records
     h.send(C, Header.SUBMIT, Submit(client_request_id="ids", prompt=[1, 2, 3]))  # the control: ids are served
     assert h.take(E1, Header.ENGINE_SUBMIT)[0].request["prompt_tokens"] == [1, 2, 3]
 
@@ -110,4 +110,4 @@ def test_a_client_that_cannot_make_text_is_refused_at_submit():
     submit(h, "r")
     [error] = h.take(C, Header.ERROR)
     assert error.code == "unsupported" and error.client_request_id == "r" and "protocol 3" in error.message
-    assert not h.take(E1, Header.ENGINE_SUBMIT) and len(h.core.requests) == 0
+    assert not h.take(E1, Header.ENGINE_SUBMIT) and len(h.core.flow.table) == 0

@@ -72,7 +72,7 @@ def test_each_engine_gets_its_ranks_and_the_epoch_changes_once_all_loaded():
     assert (load1.phase, load1.rendezvous.world_size, load1.rendezvous.rank_offset) == ("load", 4, 1)
     assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (4, 2)
     h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="r#1", state="PAUSED", detail={"epoch": 4}))
-    assert h.core.epoch == 0  # not before every engine loaded
+    assert h.core.weights.epoch == 0  # not before every engine loaded
     h.send(E2, Header.CONTROL_ACK, ControlAck(control_id="r#1", state="PAUSED", detail={"epoch": 4}))
     ack = h.take(C, Header.CONTROL_ACK)[0]
     assert ack.detail["epoch"] == 4 and ack.detail["engines"][e2]["ranks"] == [2, 3]

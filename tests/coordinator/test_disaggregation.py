@@ -58,11 +58,11 @@ def test_a_new_request_is_prefilled_for_its_first_token_then_decoded_from_its_bl
     assert handed.kv_transfer_params == {"do_remote_prefill": True, "remote_engine_id": prefill}
     assert handed.request["sampling_params"] == {"num_tokens_to_generate": 4}  # the client's, whole
     step(h, D1, decode, "c1/r", [8])
-    assert h.core.handoffs.blocks == {}  # landed: no longer kept
+    assert h.core.flow.handoffs.blocks == {}  # landed: no longer kept
     step(h, D1, decode, "c1/r", [9, 10], finished=True, record=final_record(handed.request, [7, 8, 9, 10]))
     assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[8], [9, 10]]
     assert [r.request["generated_tokens"] for r in h.take(C, Header.RESULT)] == [[7, 8, 9, 10]]
-    assert h.core.handoffs.handed_on == 1 and status(h).completed == 1
+    assert h.core.flow.handoffs.handed_on == 1 and status(h).completed == 1
 
 
 def test_a_decode_engine_lost_before_the_blocks_landed_leaves_them_for_the_next():
@@ -92,7 +92,7 @@ def test_a_request_over_at_its_first_token_ends_on_the_prefill_engine():
     step(h, P, prefill, "c1/r", [], finished=True, record=record)
     assert not h.take(D1, Header.ENGINE_SUBMIT)
     assert [r.request["finish_reason"] for r in h.take(C, Header.RESULT)] == ["stop"]
-    assert h.core.handoffs.blocks == {} and h.core.handoffs.prefilling == {}
+    assert h.core.flow.handoffs.blocks == {} and h.core.flow.handoffs.prefilling == {}
 
 
 def test_a_one_token_request_is_served_whole_by_its_prefill_engine():
@@ -100,7 +100,7 @@ def test_a_one_token_request_is_served_whole_by_its_prefill_engine():
     fleet(h)
     submit(h, "r", tokens=1)
     sent = h.take(P, Header.ENGINE_SUBMIT)[0]
-    assert sent.kv_transfer_params is None and h.core.handoffs.prefilling == {}
+    assert sent.kv_transfer_params is None and h.core.flow.handoffs.prefilling == {}
 
 
 def test_blocks_from_an_engine_that_was_not_prefilling_the_request_are_dropped_by_name(caplog):
@@ -110,7 +110,7 @@ def test_blocks_from_an_engine_that_was_not_prefilling_the_request_are_dropped_b
     h.send(D1, Header.KV_BLOCKS, blocks("c1/r", decode))
     h.send(P, Header.KV_BLOCKS, blocks("c1/r", "an-older-registration"))
     h.send(P, Header.KV_BLOCKS, blocks("c1/r", prefill, tokens=40, first_block=5))
-    assert h.core.handoffs.blocks == {} and h.core.drop.total == 3
+    assert h.core.flow.handoffs.blocks == {} and h.core.drop.total == 3
     for reason in ("which it was not prefilling", "stale KV_BLOCKS", "holds blocks 5 to 5: 3 blocks of 16 tokens hold 40 tokens"):
         assert reason in caplog.text
 
@@ -137,4 +137,4 @@ def test_a_colocated_fleet_is_untouched():
     h.engine(D1, group=0)
     submit(h, "r", tokens=4)
     sent = h.take(D1, Header.ENGINE_SUBMIT)[0]
-    assert sent.kv_transfer_params is None and not h.core.handoffs.active
+    assert sent.kv_transfer_params is None and not h.core.flow.handoffs.active

@@ -137,7 +137,7 @@ def test_a_request_waiting_long_is_promoted_a_band_per_period():
     submit(h, "old", TenantTag("bulk", "sheddable"))
     h.advance(45.0)  # 1.5 periods: one band better (standard)
     submit(h, "new", TenantTag("team", "standard"))
-    table = h.core.requests
+    table = h.core.flow.table
     assert table.next_queued(h.now).client_request_id == "old" and table.head_band == 1
     h.advance(20.0)  # two periods: critical
     assert table.next_queued(h.now).client_request_id == "old" and table.head_band == 0
@@ -159,12 +159,12 @@ def test_a_request_is_charged_its_prompt_and_max_tokens_and_given_back_what_it_d
     h.client(C)
     engine = FakeEngine(h, E1, capacity=1)
     submit(h, "a0", B, tokens=10, prompt=6)  # weight 3
-    assert h.core.requests.fair.counts["b"] == (6 + 10) / 3
+    assert h.core.flow.table.fair.counts["b"] == (6 + 10) / 3
     engine.step()
     request = engine.queue[0]
     request["sampling_params"]["num_tokens_to_generate"] = 2  # it stops early (as at a stop string or EOS)
     engine.step()
-    assert h.core.requests.fair.counts["b"] == (6 + 2) / 3
+    assert h.core.flow.table.fair.counts["b"] == (6 + 2) / 3
 
 
 def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
@@ -174,10 +174,10 @@ def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
     submit(h, "a0", B, tokens=10, prompt=6)
     engine.step()
     engine.step()  # two tokens made
-    (record,) = h.core.requests.records.values()
+    (record,) = h.core.flow.table.records.values()
     assert len(record.generated_tokens) == 2
-    h.core.requests.forget(record)  # its client gone: the table drops it unfinished
-    assert h.core.requests.fair.counts["b"] == (6 + 2) / 3
+    h.core.flow.table.forget(record)  # its client gone: the table drops it unfinished
+    assert h.core.flow.table.fair.counts["b"] == (6 + 2) / 3
 
 
 def test_promoted_requests_count_in_their_promoted_band_so_an_engine_holds_a_bounded_number():
@@ -198,5 +198,5 @@ def test_promoted_requests_count_in_their_promoted_band_so_an_engine_holds_a_bou
     assert len(dispatched(h)) == 2
     h.advance(300.0)  # no better band than critical: nothing more until one finishes
     assert dispatched(h) == []
-    assert h.core.requests.count(Phase.QUEUED) == 194
+    assert h.core.flow.table.count(Phase.QUEUED) == 194
     engine.queue.clear()

@@ -95,7 +95,7 @@ async def test_the_client_places_images_of_text_prompts(fleet_factory, tiny_llav
 
 async def test_image_limits(fleet_factory):
     fleet = fleet_factory()
-    fleet.coordinator.core.max_image_bytes = 1000  # set before any peer connects
+    fleet.coordinator.core.flow.max_image_bytes = 1000  # set before any peer connects
     fleet.add_engine(fake=RecordingEngine())
     async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20)

@@ -28,7 +28,7 @@ def fleet_on_trainer_weights(**donor_info) -> tuple[CoreHarness, str]:
     harness = CoreHarness(model="/m")
     info = {"weights_layout": "L", "epoch": 3, "weights": TRAINER, "peer_store": "10.0.0.1:7000", **donor_info}
     donor = hello(harness, b"donor", 0, **info).engine_id
-    assert harness.core.epoch == 3 and harness.core.weights_source == TRAINER
+    assert harness.core.weights.epoch == 3 and harness.core.weights.source == TRAINER
     return harness, donor
 
 

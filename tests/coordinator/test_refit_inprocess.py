@@ -145,7 +145,7 @@ async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator
 
 async def test_an_engine_of_another_model_is_flagged_not_synced(fleet_factory):
     fleet = fleet_factory()
-    fleet.coordinator.core.model = "/m/a"
+    fleet.coordinator.core.weights.model = "/m/a"
     add(fleet, RefitFake(), model="/m/a")
     async with paused(fleet, 1) as client:
         await client.refit("/m/b")

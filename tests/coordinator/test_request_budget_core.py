@@ -34,14 +34,14 @@ def test_a_submit_over_the_log_prob_budget_is_refused_with_its_figure():
     assert error.code == ErrorCode.INVALID_REQUEST.value and error.client_request_id == "big"
     assert "21,315 log probs" in error.message and "10,000" in error.message
     assert "--max-request-logprobs" in error.message
-    assert h.core.requests.get("c1/big") is None and not h.take(E1, Header.ENGINE_SUBMIT)
+    assert h.core.flow.table.get("c1/big") is None and not h.take(E1, Header.ENGINE_SUBMIT)
     submit(h, "within", 400, num_tokens_to_generate=16, top_n_logprobs=20, return_prompt_log_probs=True)
     assert h.take(E1, Header.ENGINE_SUBMIT)[0].request["request_id"].endswith("within")
 
 
 def test_the_default_budget_takes_a_long_prompt_scored_with_twenty_alternatives():
     h = CoreHarness()
-    assert h.core.max_request_logprobs == DEFAULT_MAX_REQUEST_LOGPROBS
+    assert h.core.flow.max_request_logprobs == DEFAULT_MAX_REQUEST_LOGPROBS
     h.client(C)
     h.engine(E1, group=0, capacity=4)
     submit(h, "scoring", 32_000, num_tokens_to_generate=1, top_n_logprobs=20, return_prompt_log_probs=True)

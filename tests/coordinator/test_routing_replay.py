@@ -135,7 +135,7 @@ def test_core_mirrors_rows_into_the_next_dispatch_and_a_result_it_finishes():
     _routing_step(h, e1, [7], 0, rows[:4])  # the prompt's four positions
     _routing_step(h, e1, [8], 9, rows[4:5])  # a gap: not mirrored
     _routing_step(h, e1, [9], 4, rows[4:6])
-    assert h.core.requests.get("c1/r").generated_tokens == [7, 8, 9]
+    assert h.core.flow.table.get("c1/r").generated_tokens == [7, 8, 9]
     h.engine(b"e2", group=1, capacity=1)
     h._perform(h.core.on_peer_gone(b"e1", "connection closed", h.now))
     moved = h.take(b"e2", Header.ENGINE_SUBMIT)[0].request

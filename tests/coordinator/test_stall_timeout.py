@@ -168,7 +168,7 @@ async def test_engine_loading_weights_while_registering_is_not_taken_for_stalled
     fleet.stop_coordinator()
 
     def with_refitted_weights(coordinator: Coordinator) -> None:
-        coordinator.core.epoch, coordinator.core.weights_source = 1, "/weights/epoch-1"
+        coordinator.core.weights.epoch, coordinator.core.weights.source = 1, "/weights/epoch-1"
 
     fleet.start_coordinator(setup=with_refitted_weights)
     async with InferenceClient(fleet.address, token=fleet.token) as client:

@@ -80,7 +80,7 @@ def test_a_step_reaches_a_client_as_one_message_with_the_engines_deltas():
     theirs = received(h, C2)
     assert [(header, body.client_request_ids) for header, body in theirs] == [(Header.STEP_TOKENS, ["d"])]
     assert theirs[0][1].deltas[0].epochs == [[1], [2]]
-    mirrored = h.core.requests
+    mirrored = h.core.flow.table
     assert mirrored.get("c1/a").generated_tokens == [5] and mirrored.get("c2/d").generated_tokens == [8]
 
 

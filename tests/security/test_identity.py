@@ -80,7 +80,7 @@ def test_a_routing_id_taken_over_by_another_connection_inherits_nothing(driven):
                               server_key=driven.coordinator.core.secret.server_public)
     try:
         core = driven.coordinator.core
-        assert routing_id not in core.peers and len(core.requests) == 0  # not legit's: nothing was accepted
+        assert routing_id not in core.peers and len(core.flow.table) == 0  # not legit's: nothing was accepted
         thief.send(Header.STATUS, {})
         assert driven.pump() == routing_id
         assert not thief.sock.poll(200) and thief.received() == []  # and it is told nothing
@@ -126,7 +126,7 @@ def test_a_client_id_stays_with_the_key_that_registered_it(driven):
         assert "belongs to another peer" in refusal.body.message
         victim.send(Header.SUBMIT, SUBMIT)
         driven.pump()
-        (record,) = driven.coordinator.core.requests
+        (record,) = driven.coordinator.core.flow.table
         assert record.client_id == "victim" and insider.received() == []
         # The victim itself, back on a new connection with its own key, is the victim again.
         victim.close()

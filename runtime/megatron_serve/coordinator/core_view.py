@@ -17,9 +17,10 @@ from ..wire.protocol import Header, Role
 from ..wire.security import FleetSecret
 from ..wire.status import Heartbeat
 from .droplog import DropLog
+from .flow import RequestFlow
+from .fleet_weights import FleetWeights
 from .peers import ClientRecord, EngineRecord
 from .placement import Sessions
-from .requests import RequestRecord, RequestTable
 from .routing import RoutingPolicy
 
 
@@ -32,7 +33,7 @@ class CoreView(Protocol):
     peers: dict[bytes, tuple[Role, str]]  # identity -> (role, engine_id | client_id)
     engines: dict[str, EngineRecord]
     clients: dict[str, ClientRecord]
-    requests: RequestTable
+    flow: RequestFlow  # the request table and every request's way through the coordinator
     registrations: int
     coordinator_id: str
     secret: FleetSecret | None
@@ -42,13 +43,7 @@ class CoreView(Protocol):
     policy: RoutingPolicy
     sessions: Sessions
     dispatch_factor: float
-    # Weights and adapters.
-    model: str | None
-    tokenizer_dir: str | None
-    epoch: int
-    weights_source: str | None
-    refits: int
-    loaded_loras: dict[str, str]
+    weights: FleetWeights  # the generation engines serve and LOAD_LORA's adapters (the refit's record)
     # Deadlines (seconds).
     heartbeat_timeout: float
     client_timeout: float
@@ -66,18 +61,4 @@ class CoreView(Protocol):
 
     def advance_verbs(self) -> None: ...
 
-    def incomplete_weights(self) -> list[str]: ...
-
-    def serves_fleet_weights(self, engine: EngineRecord) -> bool: ...
-
     def remove_engine(self, engine: EngineRecord, reason: str, expected: bool = False) -> None: ...
-
-    def requeue(self, record: RequestRecord, reason: str) -> None: ...
-
-    def abort(self, record: RequestRecord, message: str, by_client: bool = True) -> None: ...
-
-    def abort_unfinished(self, message: str) -> int: ...
-
-    def deliver(self, record: RequestRecord) -> None: ...
-
-    def forget_request(self, record: RequestRecord) -> None: ...

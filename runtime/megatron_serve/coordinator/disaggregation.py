@@ -21,16 +21,16 @@ decode engines lets its prefill engines finish what they start.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import msgspec
 
 from ..wire.kv_blocks import KVBlocks, remote_decode, remote_prefill
 from ..wire.deltas import RequestDelta
 from ..wire.submission import EngineSubmitOut
-from .core_view import CoreView
+from .droplog import DropLog
 from .peers import EngineRecord
-from .requests import RequestRecord, final_facts
+from .requests import RequestRecord, RequestTable, final_facts
 
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
 
@@ -58,14 +58,15 @@ class Handoffs:
     def active(self) -> bool:
         return bool(self.prefilling or self.blocks)
 
-    def candidates(self, core: CoreView, record: RequestRecord,
+    def candidates(self, members: Mapping[str, EngineRecord], registrations: int, record: RequestRecord,
                    engines: Sequence[EngineRecord]) -> Sequence[EngineRecord]:
         """The engines that may take ``record`` now: prefill engines for a request with nothing generated,
         the others for the rest; all of them where the fleet has no engine of that part registered (and in a
-        colocated fleet, at the cost of one comparison)."""
-        key = (core.registrations, len(core.engines))
+        colocated fleet, at the cost of one comparison). ``members``: every registered engine, whose parts are
+        read again only when ``registrations`` or their number changed."""
+        key = (registrations, len(members))
         if key != self._roles_key:
-            self._roles_key, self._roles = key, frozenset(kv_role(engine) for engine in core.engines.values())
+            self._roles_key, self._roles = key, frozenset(kv_role(engine) for engine in members.values())
         registered = self._roles
         if registered <= {BOTH}:
             return engines
@@ -94,7 +95,7 @@ class Handoffs:
             return parts, EngineSubmitOut(request=body.request, kv_transfer_params=remote_prefill(parts[0].engine_id))
         return [], body
 
-    def on_blocks(self, core: CoreView, engine: EngineRecord, blocks: KVBlocks) -> None:
+    def on_blocks(self, drop: DropLog, engine: EngineRecord, blocks: KVBlocks) -> None:
         """``KV_BLOCKS`` from ``engine``: kept for the request's decode engine when it is this engine's prefill."""
         problem = blocks.problem()
         if blocks.engine_id != engine.engine_id:
@@ -102,11 +103,11 @@ class Handoffs:
         elif self.prefilling.get(blocks.request_id) != engine.engine_id:
             problem = f"KV_BLOCKS of request {blocks.request_id!r}, which it was not prefilling"
         if problem is not None:
-            core.drop(engine.engine_id, problem)
+            drop(engine.engine_id, problem)
             return
         self.blocks.setdefault(blocks.request_id, []).append(blocks)
 
-    def on_output(self, core: CoreView, engine: EngineRecord, record: RequestRecord,
+    def on_output(self, table: RequestTable, engine: EngineRecord, record: RequestRecord,
                   out: RequestDelta, final: msgspec.Raw | None) -> bool:
         """An engine's output for a request it runs (mirrored already; ``final``: a finished one's record, as the
         engine sent it); True when it ends the request's prefill and the request was queued for its decode engine
@@ -129,7 +130,7 @@ class Handoffs:
         self.handed_on += 1
         record.add_event("EVICT", f"prefilled by engine {engine.engine_id}: handed on to decode "
                                   f"({'with' if rid in self.blocks else 'without'} its KV blocks)")
-        core.requests.enqueue(record, first=True)
+        table.enqueue(record, first=True)
         return True
 
     def forget(self, request_id: str) -> None:

@@ -3,7 +3,7 @@
 The routing policy (:mod:`megatron_serve.coordinator.routing`) chooses among the engines that may take work
 now (of those, the ones already serving the request's LoRA adapter, when any does:
 :func:`~megatron_serve.coordinator.routing.adapter_candidates`): registered, not draining or stopping, serving the fleet's weights (see
-``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
+``FleetWeights.served_by``), and below ``capacity * dispatch_factor`` requests (a
 little more than an engine runs at once, so that its next step never waits for the coordinator). A request
 of a tenant (:mod:`.fair_queue`) counts only the assigned requests of its band or better against that limit,
 so that a better class reaches an engine that lower ones fill, where it preempts one of them. A request counts in
@@ -27,21 +27,18 @@ from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from ..wire.tenancy import WORST_BAND, band_of
 from .core_view import CoreView
-from .disaggregation import Handoffs
 from .peers import EngineRecord
 from .requests import Phase, RequestRecord
 from .routing import adapter_candidates
 
 
 class Dispatching(CoreView, Protocol):
-    """The core as dispatch sees it: its view, the requests between their prefill and decode engines, and what the
-    fleet looked like when dispatch last found no engine with room (:func:`room_key`)."""
+    """The core as dispatch sees it: its view, and what the fleet looked like when dispatch last found no engine with
+    room (:func:`room_key`)."""
 
-    handoffs: Handoffs
     dispatch_blocked: tuple[object, ...] | None
     freed: set[str]  # engines a request left since the last pass (their Assigned report here)
     registrations: int
-    refits: int
 
 
 def wire_record(record: RequestRecord) -> EngineRequestOut:
@@ -77,10 +74,10 @@ def dispatch(core: Dispatching, now: float) -> None:
         return engine.load < max(1, int(engine.capacity * factor))
 
     def usable(engine: EngineRecord) -> bool:
-        return not engine.draining and not engine.stopping and core.serves_fleet_weights(engine)
+        return not engine.draining and not engine.stopping and core.weights.served_by(engine)
 
     core.sessions.expire(now)
-    table = core.requests
+    table = core.flow.table
     if not table.count(Phase.QUEUED):
         return
     key = room_key(core)
@@ -104,7 +101,7 @@ def dispatch(core: Dispatching, now: float) -> None:
             band = table.head_band
             table.pop_queued()
             if engine is None:
-                core.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
+                core.flow.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
             else:
                 send(core, record, engine, now, band)
                 if not room(engine) and engine in candidates:
@@ -120,7 +117,7 @@ def dispatch(core: Dispatching, now: float) -> None:
                                                                    band_room(core, e, band)]
             if not pool:
                 return
-        engines = core.handoffs.candidates(core, record, pool)  # prefill or decode (disaggregation)
+        engines = core.flow.handoffs.candidates(core.engines, core.registrations, record, pool)  # prefill or decode (disaggregation)
         session = record.session_id
         chosen = core.sessions.choose(session, engines, now) if session is not None and engines else None
         if chosen is None:
@@ -141,19 +138,19 @@ def room_key(core: Dispatching) -> tuple[object, ...]:
     """What moves whenever an engine may have become usable other than by a request leaving it: an engine registered
     or left, the fleet's weights moved (a refit makes an engine that caught up eligible). Draining and stopping only
     take room away."""
-    return core.registrations, len(core.engines), core.epoch, core.weights_source, core.refits
+    return core.registrations, len(core.engines), core.weights.epoch, core.weights.source, core.weights.refits
 
 
 def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float, band: int | None) -> None:
     """Dispatch the queued request the table just popped to ``engine``, counted there in ``band`` (None: its own class's,
     ``standard`` for an untenanted request)."""
     if record.params.tenant is not None:
-        core.requests.fair.charge(record)
-    core.requests.dispatched(record, engine.engine_id)
+        core.flow.table.fair.charge(record)
+    core.flow.table.dispatched(record, engine.engine_id)
     if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
         engine.stall_clock = now
     engine.assigned.add(record.request_id, band_of(record.params.tenant) if band is None else band)
-    blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+    blocks, body = core.flow.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
     for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
         core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
     core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)

@@ -7,9 +7,14 @@ returned. A send that cannot reach its peer comes back to the core as an event o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Iterable
 
 from ..wire.handshake import Hello
+from ..wire.protocol import Header, ProtocolError, encode
+
+logger = logging.getLogger("megatron_serve.coordinator")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +37,27 @@ class Probe:
 
 
 Effect = Send | Probe
+
+
+class Outbox:
+    """The effects one input leaves, in order, until the loop takes them: every part that answers a peer writes here,
+    so that none of them holds a socket or calls back into the core."""
+
+    def __init__(self) -> None:
+        self._effects: list[Effect] = []
+
+    def send(self, identity: bytes, header: Header, body: object, batch: bool = False) -> None:
+        """Queue one message (a body the wire cannot encode is logged and dropped, not raised into a handler)."""
+        try:
+            frame = encode(header, body)
+        except ProtocolError as exc:
+            logger.error("cannot send %s: %s", header.name, exc)
+            return
+        self._effects.append(Send(identity, frame, batch))
+
+    def add(self, effects: Iterable[Effect]) -> None:
+        self._effects.extend(effects)
+
+    def take(self) -> list[Effect]:
+        out, self._effects = self._effects, []
+        return out

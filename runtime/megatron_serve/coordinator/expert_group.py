@@ -96,9 +96,9 @@ def leave(core: CoreView, engine: EngineRecord, handed_back: list[Any]) -> None:
         engine.draining = True
         core.policy.forget(engine.engine_id)
     for key in handed_back:
-        record = core.requests.get(key) if isinstance(key, str) else None
+        record = core.flow.table.get(key) if isinstance(key, str) else None
         if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
             engine.assigned.discard(key)
-            core.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
+            core.flow.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
     logger.info("engine %s leaves its expert-parallel group (SCALE_EP): %d request(s) handed back", engine.engine_id,
                 len(handed_back))

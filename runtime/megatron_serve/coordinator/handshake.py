@@ -73,7 +73,7 @@ def on_hello(core: Registering, identity: bytes, body: Hello, now: float, key: b
 
 def _ack_again(core: CoreView, identity: bytes, known: tuple[Role, str]) -> None:
     ack = HelloAck(coordinator_id=core.coordinator_id, state=core.state.value, protocol=PROTOCOL_VERSION,
-                   tokenizer=None if known[0] is Role.ENGINE else core.tokenizer_dir)
+                   tokenizer=None if known[0] is Role.ENGINE else core.weights.tokenizer_dir)
     engine = core.engines.get(known[1]) if known[0] is Role.ENGINE else None
     if engine is not None:
         ack.engine_id, ack.engine_group, ack.suspend_level = engine.engine_id, engine.group, core.suspend_level
@@ -127,7 +127,7 @@ def _register_engine(core: Registering, identity: bytes, body: Hello, now: float
     core.send(identity, Header.HELLO_ACK, HelloAck(
         coordinator_id=core.coordinator_id, state=core.state.value, engine_id=engine_id, engine_group=group,
         suspend_level=core.suspend_level, heartbeat_interval=HEARTBEAT_INTERVAL, refit=refit,
-        protocol=PROTOCOL_VERSION, loras=dict(core.loaded_loras) or None))
+        protocol=PROTOCOL_VERSION, loras=dict(core.weights.loaded_loras) or None))
     logger.info("engine %s registered: group %d, capacity %d, adopts state %s%s", engine_id, group,
                 engine.capacity, core.state.value, "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))
 
@@ -149,7 +149,7 @@ def _weights_for(core: CoreView, engine: EngineRecord) -> dict[str, Any] | None:
 
     Weights a trainer sent cannot be reloaded from a directory: an engine that lacks them pulls them from a live
     engine of its layout when one has them (:func:`_pull_from_peer`); without one it is admitted but receives no
-    requests (``serves_fleet_weights``) until the next refit, which includes it.
+    requests (``FleetWeights.served_by``) until the next refit, which includes it.
     A coordinator that never refitted (e.g. it restarted) adopts the weights of the first
     registering engine of its model that reports a refit, so the fleet's epoch survives a
     coordinator restart; engines that then register with other weights load them.
@@ -158,29 +158,29 @@ def _weights_for(core: CoreView, engine: EngineRecord) -> dict[str, Any] | None:
     engine.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
     weights = engine.info.get("weights")
     engine.weights = weights if isinstance(weights, str) else None
-    if not engine.same_model(core.model):
+    if not engine.same_model(core.weights.model):
         return None
-    if core.weights_source is None:
-        if engine.epoch > core.epoch and engine.weights is not None and \
-                all(e.epoch == core.epoch for e in core.engines.values() if e.same_model(core.model)):
-            core.epoch, core.weights_source = engine.epoch, engine.weights
-            logger.info("adopted weights epoch %d (%s) from engine %s", core.epoch, core.weights_source,
+    if core.weights.source is None:
+        if engine.epoch > core.weights.epoch and engine.weights is not None and \
+                all(e.epoch == core.weights.epoch for e in core.engines.values() if e.same_model(core.weights.model)):
+            core.weights.epoch, core.weights.source = engine.epoch, engine.weights
+            logger.info("adopted weights epoch %d (%s) from engine %s", core.weights.epoch, core.weights.source,
                         engine.engine_id)
         return None
-    if engine.epoch == core.epoch and engine.weights == core.weights_source:
+    if engine.epoch == core.weights.epoch and engine.weights == core.weights.source:
         return None
-    if core.weights_source.startswith(RENDEZVOUS_SCHEME):
+    if core.weights.source.startswith(RENDEZVOUS_SCHEME):
         peer = _pull_from_peer(core, engine)
         if peer is not None:
-            engine.epoch, engine.weights = core.epoch, core.weights_source  # it exits if it cannot
-            return {"source": core.weights_source, "epoch": core.epoch, "peer": peer}
+            engine.epoch, engine.weights = core.weights.epoch, core.weights.source  # it exits if it cannot
+            return {"source": core.weights.source, "epoch": core.weights.epoch, "peer": peer}
         logger.info("engine %s serves epoch %d; the fleet's epoch %d came from a trainer: it gets no requests "
-                    "until the next refit includes it", engine.engine_id, engine.epoch, core.epoch)
+                    "until the next refit includes it", engine.engine_id, engine.epoch, core.weights.epoch)
         return None
     logger.info("engine %s serves epoch %d: it loads the fleet's epoch %d (%s) before serving",
-                engine.engine_id, engine.epoch, core.epoch, core.weights_source)
-    engine.epoch, engine.weights = core.epoch, core.weights_source  # it exits if it cannot
-    return {"source": core.weights_source, "epoch": core.epoch}
+                engine.engine_id, engine.epoch, core.weights.epoch, core.weights.source)
+    engine.epoch, engine.weights = core.weights.epoch, core.weights.source  # it exits if it cannot
+    return {"source": core.weights.source, "epoch": core.weights.epoch}
 
 
 def _pull_from_peer(core: CoreView, engine: EngineRecord) -> dict[str, Any] | None:
@@ -194,15 +194,15 @@ def _pull_from_peer(core: CoreView, engine: EngineRecord) -> dict[str, Any] | No
         return None
     donors = [e for e in core.engines.values()
               if e.info.get("weights_layout") == layout and e.ranks == engine.ranks and e.peer_store is not None
-              and e.epoch == core.epoch and e.weights == core.weights_source and not (e.draining or e.stopping)]
+              and e.epoch == core.weights.epoch and e.weights == core.weights.source and not (e.draining or e.stopping)]
     if not donors:
         return None
     donor = max(donors, key=lambda e: e.last_seen)
     prefix = secrets.token_hex(16)  # this pull's keys: only these two (encrypted) messages carry it
     timeout = max(core.verb_timeout, core.weights_timeout)
     core.send(donor.identity, Header.PEER_WEIGHTS, PeerShare(engine_id=engine.engine_id, prefix=prefix,
-                                                             epoch=core.epoch, timeout_s=timeout))
-    logger.info("engine %s pulls the fleet's epoch %d from engine %s", engine.engine_id, core.epoch, donor.engine_id)
+                                                             epoch=core.weights.epoch, timeout_s=timeout))
+    logger.info("engine %s pulls the fleet's epoch %d from engine %s", engine.engine_id, core.weights.epoch, donor.engine_id)
     return {"address": donor.peer_store, "prefix": prefix, "engine_id": donor.engine_id, "timeout_s": timeout}
 
 
@@ -227,21 +227,21 @@ def _register_client(core: CoreView, identity: bytes, role: Role, body: Hello, n
     client.last_seen = now
     core.peers[identity] = (role, client_id)
     core.send(identity, Header.HELLO_ACK, HelloAck(coordinator_id=core.coordinator_id, state=core.state.value,
-                                                   protocol=PROTOCOL_VERSION, tokenizer=core.tokenizer_dir))
+                                                   protocol=PROTOCOL_VERSION, tokenizer=core.weights.tokenizer_dir))
     logger.debug("%s %s connected", role.value, client_id)
     # What the old connection may have lost, before anything else reaches the new one: every request's tokens
     # from the first (``start`` 0: the client keeps what lies past its own), so that the steps forwarded from
     # now on, which reach the client before its resubmission's catch-up, continue what it has; and the results
     # that finished while it was away, after their tokens (the client completes a result with the tokens it has).
     for key in list(client.requests):
-        record = core.requests.get(key)
+        record = core.flow.table.get(key)
         if record is None:
             continue
         tokens = record.tokens_after(0)
         if tokens is not None:
             core.send(identity, Header.STEP_TOKENS, catch_up(record.client_request_id, tokens, 0), client.batches)
         if record.phase is Phase.FINISHED:
-            core.deliver(record)
+            core.flow.deliver(record)
     # A verb that was in progress when the client lost its connection answers on the new one.
 
 

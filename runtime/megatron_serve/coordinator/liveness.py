@@ -152,13 +152,13 @@ def _sweep_clients(core: CoreView, now: float) -> None:
                 now - client.offline_since > core.client_timeout:
             aborted = 0
             for key in list(client.requests):
-                record = core.requests.get(key)
+                record = core.flow.table.get(key)
                 if record is None:
                     continue
                 if record.phase is not Phase.FINISHED:
-                    core.abort(record, "client went away")
+                    core.flow.abort(record, "client went away")
                     aborted += 1
-                core.forget_request(record)
+                core.flow.forget(record)
             core.clients.pop(client.client_id, None)
             logger.warning("client %s gone for more than %.0fs: %d unfinished request(s) aborted and its results "
                            "dropped", client.client_id[:8], core.client_timeout, aborted)

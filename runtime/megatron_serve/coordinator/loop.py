@@ -183,7 +183,7 @@ class Coordinator:
                     if self._backlog and not outbox:
                         break  # full queues: retried on the next pass
         finally:
-            logger.info("coordinator %s stopping (%d requests in its table)", core.coordinator_id, len(core.requests))
+            logger.info("coordinator %s stopping (%d requests in its table)", core.coordinator_id, len(core.flow.table))
             self.close()
 
     def _on_frame(self, identity_frame: zmq.Frame, frame: zmq.Frame) -> list[Effect]:

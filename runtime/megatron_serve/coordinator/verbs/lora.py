@@ -57,7 +57,7 @@ class LoraVerb(VerbHandler):
         if self.failed:
             return Refusal(ErrorCode.LORA_REFUSED, f"{self.verb_name} {self.body.lora_name!r} failed on "
                                                    f"{named(self.failed)}", {**detail, "failed": dict(self.failed)})
-        self.keep(context.core.loaded_loras)
+        self.keep(context.core.weights.loaded_loras)
         return None
 
     def keep(self, loaded: dict[str, str]) -> None:

@@ -53,7 +53,7 @@ class RefitVerb(VerbHandler):
             return Refusal(ErrorCode.REFIT_FAILED,
                            "REFIT needs at least one connected engine to verify the new weights")
         if self.epoch is None and not self.pushes_adapter:
-            self.epoch = core.epoch + 1
+            self.epoch = core.weights.epoch + 1
         return None
 
     def message(self, context: VerbContext, step: Step, control_id: str) -> Control:
@@ -65,8 +65,8 @@ class RefitVerb(VerbHandler):
                      rendezvous=self.rendezvous)
 
     def _commit(self, core: CoreView) -> None:
-        core.epoch, core.weights_source = int(self.epoch or 0), self.source
-        core.refits += 1
+        core.weights.epoch, core.weights.source = int(self.epoch or 0), self.source
+        core.weights.refits += 1
 
     def fan_out(self, context: VerbContext, step: Step, engines: list[EngineRecord], body: Control,
                 facts: EngineFacts) -> list[tuple[EngineRecord, Control]]:
@@ -113,7 +113,7 @@ class RefitVerb(VerbHandler):
     def refusal_after(self, context: VerbContext, step: Step, facts: EngineFacts) -> Refusal | None:
         who = verify_refused(step, Step.REFIT_VERIFY, facts)
         return None if who is None else Refusal(
-            ErrorCode.REFIT_FAILED, f"REFIT refused by {who}; the fleet keeps serving epoch {context.core.epoch}")
+            ErrorCode.REFIT_FAILED, f"REFIT refused by {who}; the fleet keeps serving epoch {context.core.weights.epoch}")
 
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
         core = context.core
@@ -123,7 +123,7 @@ class RefitVerb(VerbHandler):
                 return self._transfer_failed(core, detail)
             if not self.pushes_adapter:
                 self._commit(core)
-        detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
+        detail.update(noop=False, epoch=core.weights.epoch, source=core.weights.source)
         engines: EngineFacts = detail["engines"]
         if rendezvous is not None and rendezvous.lora is not None:
             detail["lora"] = {"name": rendezvous.lora.name, "version": rendezvous.lora.version}
@@ -137,14 +137,14 @@ class RefitVerb(VerbHandler):
 
     def _transfer_failed(self, core: CoreView, detail: dict[str, Any]) -> Refusal:
         """A trainer's refit that failed on some engine: refused, with what every engine holds now."""
-        incomplete = core.incomplete_weights()
+        incomplete = core.weights.incomplete(core.engines.values())
         message = f"REFIT from {self.source} failed on {named(self.failed)}; "
         if incomplete:
             message += (f"engine(s) {', '.join(incomplete)} hold incomplete weights: the fleet stays "
                         f"{core.state.value} and UNPAUSE is refused until a refit completes")
         else:
-            message += f"no weights were changed: the fleet keeps serving epoch {core.epoch}"
-        detail.update(epoch=core.epoch, source=self.source, failed=dict(self.failed), incomplete_weights=incomplete)
+            message += f"no weights were changed: the fleet keeps serving epoch {core.weights.epoch}"
+        detail.update(epoch=core.weights.epoch, source=self.source, failed=dict(self.failed), incomplete_weights=incomplete)
         for engine_id in list(core.engines):
             core.policy.forget(engine_id)
         return Refusal(ErrorCode.REFIT_FAILED, message, detail)
@@ -155,6 +155,6 @@ class RefitVerb(VerbHandler):
         a LOAD_LORA's adapter (engine.lora_store); otherwise a directory recorded for the name would serve an older
         version, so it is dropped."""
         if len(paths) == 1 and None not in paths and not self.failed:
-            core.loaded_loras[name] = paths.pop()
+            core.weights.loaded_loras[name] = paths.pop()
         else:
-            core.loaded_loras.pop(name, None)
+            core.weights.loaded_loras.pop(name, None)

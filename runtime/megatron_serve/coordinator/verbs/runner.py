@@ -150,7 +150,7 @@ class VerbRunner:
         except IllegalTransition as exc:
             refusal: Refusal | None = Refusal(ErrorCode.ILLEGAL_TRANSITION, str(exc))
         else:
-            incomplete = core.incomplete_weights()
+            incomplete = core.weights.incomplete(core.engines.values())
             refusal = (Refusal(ErrorCode.WEIGHTS_INCOMPLETE,
                                WEIGHTS_INCOMPLETE.format(verb=op.verb.name, engines=", ".join(incomplete)))
                        if op.verb in NEEDS_WHOLE_WEIGHTS and incomplete else op.handler.refusal_at_start(self.context))

@@ -1,0 +1,250 @@
+"""The requests' way through the coordinator: in from a client (SUBMIT), out to an engine and back (its step
+outputs, mirrored), finished (by its engine, an abort, or nothing left to compute), delivered (RESULT) and forgotten
+once the client acknowledged it. A request that loses its engine goes back to the head of the queue.
+
+:class:`RequestFlow` owns the request table, the prefill/decode handoffs and the decoder of the clients' sampling
+parameters; it reads the fleet's members (engines, clients) and writes its messages to the core's outbox. The core
+routes each message here; dispatch (:mod:`.dispatch`) moves queued requests to engines.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from ..limits import engine_request_cost, over_budget
+from ..wire.accumulator import DeltaAccumulator
+from ..wire.deltas import EngineStep, RequestDelta
+from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error
+from ..wire.protocol import ErrorCode, Header
+from ..wire.request import FinalRecord, FinishReason, RequestStatus
+from ..wire.sampling_params import SharedParams
+from ..wire.submission import ClientAbort, EngineAbort, ResultAck, ResultOut, Submit
+from . import prompts
+from .disaggregation import Handoffs
+from .droplog import DropLog
+from .effects import Outbox
+from .peers import ClientRecord, EngineRecord
+from .placement import admit, pinned_gone, refusal_code
+from .requests import Phase, RequestRecord, RequestTable, final_facts
+from .step_tokens import StepShares, catch_up
+
+_STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
+_FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
+_ENCODE = msgspec.msgpack.Encoder()
+_FINISHED = ("COMPLETED", "FAILED")
+
+
+class RequestFlow:
+    """Every request's way from SUBMIT to its acknowledged RESULT (see the module docstring)."""
+
+    def __init__(self, *, engines: dict[str, EngineRecord], clients: dict[str, ClientRecord], outbox: Outbox,
+                 drop: DropLog, max_image_bytes: int, max_request_logprobs: int) -> None:
+        """``engines`` and ``clients``: the fleet's members, read (a client with nothing left is removed from
+        ``clients``); ``max_image_bytes`` and ``max_request_logprobs``: what one request may carry (more is refused
+        with ERROR)."""
+        self.table = RequestTable()
+        self.handoffs = Handoffs()  # prefill/decode disaggregation: requests between their two engines
+        self.stale_outputs = 0  # outputs of requests aborted or moved meanwhile: never delivered twice
+        self._engines, self._clients, self._out, self._drop = engines, clients, outbox, drop
+        self._params = SharedParams()
+        self.max_image_bytes = int(max_image_bytes)
+        self.max_request_logprobs = int(max_request_logprobs)
+
+    # ------------------------------------------------------------------ from clients
+
+    def on_submit(self, client: ClientRecord, identity: bytes, body: Submit, now: float) -> None:
+        crid = body.client_request_id
+        key = f"{client.client_id}/{crid}"
+        record = self.table.get(key)
+        if record is not None:
+            # Resubmission after a reconnect: the request is already ours. Send what the client missed.
+            have = len(body.generated_tokens or ())
+            missed = record.tokens_after(have)
+            if missed is not None:
+                self._out.send(identity, Header.STEP_TOKENS, catch_up(crid, missed, have))
+            if record.phase is Phase.FINISHED:
+                self.deliver(record)
+            return
+        if client.protocol < SUBMIT_PROTOCOL:
+            self._out.send(identity, Header.ERROR, Error(
+                code=ErrorCode.UNSUPPORTED.value, client_request_id=crid,
+                message=f"this client speaks protocol {client.protocol}; this coordinator speaks {PROTOCOL_VERSION} "
+                        f"and serves clients of {SUBMIT_PROTOCOL} or later (tokens travel only as STEP_TOKENS, "
+                        f"and the client makes the text): upgrade the client"))
+            return
+        try:
+            raw = body.sampling_params
+            params, params_wire = self._params.read(b"" if raw is msgspec.UNSET else bytes(raw))
+            record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
+                                   prompt_tokens=prompts.prompt_ids(body.prompt), params=params,
+                                   params_wire=params_wire, stream=bool(body.stream),
+                                   out=DeltaAccumulator(body.generated_tokens),
+                                   images=prompts.submitted_images(body.images, self.max_image_bytes))
+            over = over_budget(engine_request_cost(len(record.prompt_tokens), params), self.max_request_logprobs)
+            if over is not None:
+                raise ValueError(over)
+            admit(record, body.placement, self._engines.values())  # its session, its engine if pinned
+        except ValueError as exc:
+            self._out.send(identity, Header.ERROR,
+                           Error(code=refusal_code(exc), message=str(exc), client_request_id=crid))
+            return
+        client.requests.add(key)
+        self.table.add(record, Phase.QUEUED, now)
+        if record.exhausted():
+            self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
+
+    def on_abort(self, client: ClientRecord, body: ClientAbort) -> None:
+        record = self.table.get(f"{client.client_id}/{body.client_request_id}")
+        if record is not None and record.phase is not Phase.FINISHED:
+            self.abort(record, "aborted by the client")
+
+    def on_result_ack(self, client: ClientRecord, body: ResultAck) -> None:
+        for crid in body.client_request_ids:
+            record = self.table.get(f"{client.client_id}/{crid}")
+            if record is not None and record.phase is Phase.FINISHED:
+                self.forget(record)
+
+    # ------------------------------------------------------------------ endings
+
+    def abort(self, record: RequestRecord, message: str, by_client: bool = True) -> None:
+        """End an unfinished request now with the tokens mirrored so far (its engine is told to drop it).
+
+        A client's abort is ``FAILED``; the fleet's (PAUSE in abort mode) is ``COMPLETED``: the
+        partial output is a valid answer that the caller may resubmit to continue.
+        """
+        if record.phase is Phase.DISPATCHED:
+            engine = self._engines.get(record.engine_id or "")
+            if engine is not None:
+                engine.assigned.discard(record.request_id)
+                self._out.send(engine.identity, Header.ABORT, EngineAbort(request_id=record.request_id),
+                               engine.batches)
+        if by_client:
+            self.finish_here(record, "FAILED", "abort", message, error=message)
+        else:
+            self.finish_here(record, "COMPLETED", "abort", message)
+
+    def abort_unfinished(self, message: str) -> int:
+        """PAUSE in abort mode: end every unfinished request (queued, on an engine); how many."""
+        unfinished = [r for r in self.table if r.phase is not Phase.FINISHED]
+        for record in unfinished:
+            self.abort(record, message, by_client=False)
+        return len(unfinished)
+
+    def finish_here(self, record: RequestRecord, status: str, finish_reason: str, detail: str,
+                    error: str | None = None) -> None:
+        """Finish a request without an engine's record (aborted, or nothing left to compute): the record
+        has what an engine's final one has (the client got the tokens in ``STEP_TOKENS``)."""
+        record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
+        self._finish(record, FinalRecord(
+            request_id=record.request_id, status=RequestStatus(status), finish_reason=FinishReason(finish_reason),
+            error=error, events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
+            cached_tokens=record.cached_tokens or 0))
+
+    def _finish(self, record: RequestRecord, final: FinalRecord) -> None:
+        reason = None if final.finish_reason is None else final.finish_reason.value
+        self.table.finish(record, _ENCODE.encode(final), final.status.value, reason)
+        self.deliver(record)
+
+    def deliver(self, record: RequestRecord) -> None:
+        """Send a finished request's RESULT; it stays in the table until acknowledged (or the client
+        does not acknowledge at all)."""
+        client = self._clients.get(record.client_id)
+        if client is None or client.identity is None:
+            return  # kept until the client comes back (or times out)
+        self._out.send(client.identity, Header.RESULT,
+                       ResultOut(client_request_id=record.client_request_id, request=msgspec.Raw(record.final)),
+                       client.batches)
+        if not client.acks:
+            self.forget(record)
+
+    def forget(self, record: RequestRecord) -> None:
+        """Drop a delivered request, and its client once that has left with nothing more to receive."""
+        self.table.forget(record)
+        self.handoffs.forget(record.request_id)
+        client = self._clients.get(record.client_id)
+        if client is not None:
+            client.requests.discard(record.request_id)
+            if client.identity is None and not client.requests:
+                del self._clients[client.client_id]
+
+    def requeue(self, record: RequestRecord, reason: str) -> None:
+        """Put a request that lost its engine back at the head of the queue, keeping its tokens; one pinned to that
+        engine (a data-parallel rank: :mod:`.placement`) fails instead, with the tokens it has."""
+        if record.pinned is not None:
+            return self.finish_here(record, *pinned_gone(reason))
+        record.moves += 1
+        record.add_event("EVICT", reason)
+        if record.exhausted():
+            self.finish_here(record, "COMPLETED", "length", "length reached before the move")
+        else:
+            self.table.enqueue(record, first=True)
+
+    # ------------------------------------------------------------------ from engines
+
+    def on_step(self, engine: EngineRecord, body: EngineStep) -> None:
+        """An engine's step: each request's share mirrored and sent on to its client in one ``STEP_TOKENS``, then
+        the finished ones' RESULTs."""
+        if body.engine_id != engine.engine_id:
+            # Output of an earlier registration of this same socket: its requests were re-queued.
+            self._drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
+            return
+        records, engine_id, decode = self.table.records, engine.engine_id, _STEP_OUTPUT.decode
+        steps = StepShares()  # what each client gets of this step, one message
+        finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]] = []
+        for raw in body.outputs:
+            try:
+                out = decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self._drop(engine.engine_id, f"ENGINE_STEP output: {exc}")
+                continue
+            record = records.get(out.request_id)
+            if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine_id:
+                self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
+                continue
+            if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
+                self._mirror(record, out, raw, steps)
+            final = body.records.get(out.request_id) if out.finished else None
+            handed_on = self.handoffs.active and self.handoffs.on_output(self.table, engine, record, out, final)
+            if out.finished:
+                finished.append((record, final, handed_on))
+        self._out.add(steps.sends())
+        for record, final, handed_on in finished:  # their RESULTs after their last tokens
+            engine.assigned.discard(record.request_id)
+            engine.completed += 1
+            if not handed_on:  # a prefill engine's finish hands the request on to a decode engine
+                self._finish_from_engine(engine, record, final)
+
+    def _mirror(self, record: RequestRecord, out: RequestDelta, raw: msgspec.Raw, steps: StepShares) -> None:
+        """Keep the step's share (a request that moves continues from its tokens) and file it for the client's
+        ``STEP_TOKENS``, which makes the text (for every request: stop strings are its job): the delta as the engine
+        encoded it (a finished request's record came apart from it, for ``RESULT``)."""
+        record.keep(out)
+        client = self._clients.get(record.client_id)
+        if client is not None and client.identity is not None:
+            steps.add(client.identity, client.batches, record.client_request_id, raw)
+
+    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, final: msgspec.Raw | None) -> None:
+        """Finish with the engine's record ``final``, forwarded as its bytes when it is complete (the client
+        parses it, once): only its status and reason are read here. A record without a final status is parsed
+        here, and mended."""
+        try:
+            facts = None if final is None else final_facts(final)  # None when the engine sent nil
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self._drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+            facts = None
+        if facts is None or final is None:  # no record (or an unreadable one): the coordinator's mirror is the result
+            self.finish_here(record, "COMPLETED", "length", "finished without a record")
+            return
+        if facts.status in _FINISHED:
+            self.table.finish(record, bytes(final), facts.status, facts.finish_reason)
+            self.deliver(record)
+            return
+        try:
+            whole = _FINAL_RECORD.decode(final)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self._drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+            self.finish_here(record, "COMPLETED", "length", "finished without a readable record")
+            return
+        self._finish(record, msgspec.structs.replace(whole, status=RequestStatus.COMPLETED))
