@@ -152,12 +152,28 @@ def test_the_sampling_state_keeps_one_vector_per_sampler_input_written_from_the_
     assert rows.inputs == {row.sampler for row in SAMPLER_INPUTS}
 
 
+def test_a_step_uses_each_sampler_input_exactly_when_some_row_sets_it():
+    """The sampler's fast paths ask ``StepRows.uses(input)`` of the table's inputs, no flag kept per filter: each input
+    is used by a step whose one request sets it alone, and by no step of a request at the neutral defaults."""
+    for row in SAMPLER_INPUTS:
+        state = SamplingState(16, torch.device("cpu"), capacity=2)
+        state.add("a", SamplingParams(**{row.name: _engine(row)}), seed=1, prompt_tokens=[1], output_tokens=[],
+                  stop_token_ids=[])
+        state.add("b", SamplingParams(), seed=1, prompt_tokens=[1], output_tokens=[], stop_token_ids=[])
+        used = state.rows(["a"], [0], [0])
+        assert [r.sampler for r in SAMPLER_INPUTS if used.uses(r.sampler)] == [row.sampler], row.name
+        neutral = state.rows(["b"], [0], [0])
+        assert not any(neutral.uses(r.sampler) for r in SAMPLER_INPUTS), row.name
+    with pytest.raises(KeyError, match="no_such_input"):
+        neutral.uses("no_such_input")
+
+
 def test_a_greedy_request_uses_no_filter_but_keeps_its_penalties():
     state = SamplingState(16, torch.device("cpu"), capacity=2)
     state.add("g", SamplingParams(temperature=0.0, top_k=3, min_p=0.25, repetition_penalty=1.5), seed=1,
               prompt_tokens=[1], output_tokens=[], stop_token_ids=[])
     rows = state.rows(["g"], [0], [0])
-    assert rows.inputs == {"repetition"} and rows.unit_temperature and not rows.any_min_p and rows.any_repetition
+    assert rows.inputs == {"repetition"} and rows.unit_temperature and not rows.uses("min_p") and rows.uses("repetition")
 
 
 def test_the_parity_checker_scores_with_the_originals_filters():

@@ -38,12 +38,12 @@ def apply_controls(logits: torch.Tensor, state: SamplingState, rows: StepRows,
         return logits
     control = rows.control
     logits = logits + state.bias[control]
-    if rows.any_min_tokens:
+    if rows.uses("min_tokens"):
         held = state.stop_mask[control] & (rows.generated < state.vector("min_tokens")[rows.slot])[:, None]
         logits = logits.masked_fill(held, NEG_INF)
     if rows.any_penalties:
         counts = state.counts[control] if extra_counts is None else state.counts[control] + extra_counts
-        if rows.any_repetition:
+        if rows.uses("repetition"):
             factor = state.vector("repetition")[rows.slot][:, None]
             seen = (counts > 0) | state.prompt_mask[control]
             logits = torch.where(seen, torch.where(logits > 0, logits / factor, logits * factor), logits)

@@ -235,8 +235,8 @@ class Sampler:
             # x / 1.0 is x: at temperature 1 (every sampled row of an RL rollout) the logits are used as they are
             scaled = logits if rows.unit_temperature else logits / state.vector("temperature")[rows.slot][:, None]
             processed = filtered_logits(scaled, state.vector("top_k")[rows.slot], state.vector("top_p")[rows.slot],
-                                        state.vector("min_p")[rows.slot], rows.max_top_k, rows.any_top_p,
-                                        rows.any_min_p)
+                                        state.vector("min_p")[rows.slot], rows.max_top_k, rows.uses("top_p"),
+                                        rows.uses("min_p"))
             if rows.all_sampled and processed is logits:
                 # Every row draws from the logits as they are. A row with no finite maximum (NaN or infinite
                 # logits) would take its logits' argmax without noise below; finite noise added to it moves no

@@ -40,6 +40,7 @@ _GOLDEN = 0x9E3779B9
 _FLOATS = tuple(row.sampler for row in SAMPLER_INPUTS if row.kind is float)
 _INTS = tuple(row.sampler for row in SAMPLER_INPUTS if row.kind is int) + ("seed_key", "greedy")
 _PENALTY_INPUTS = frozenset(row.sampler for row in PENALTIES)
+_SAMPLER_NAMES = frozenset(row.sampler for row in SAMPLER_INPUTS)
 #: The per-row integers a step writes: slot, control row, position of the token drawn, tokens generated so far.
 _ROW_FIELDS = 4
 
@@ -93,14 +94,17 @@ class StepRows:
         self.inputs: frozenset[str] = frozenset().union(*(i.inputs for i in infos))  # used by some row
         self.unit_temperature = "temperature" not in self.inputs
         self.max_top_k = max((i.top_k for i in infos if not i.greedy), default=0)
-        self.any_top_p = "top_p" in self.inputs
-        self.any_min_p = "min_p" in self.inputs
         self.any_controls = any(i.control for i in infos)
         self.any_penalties = not self.inputs.isdisjoint(_PENALTY_INPUTS)
-        self.any_repetition = "repetition" in self.inputs
-        self.any_min_tokens = "min_tokens" in self.inputs
         self.wanted = [row for row, i in enumerate(infos) if i.log_probs]
         self.top_n = max((i.top_n for i in infos), default=0)
+
+    def uses(self, sampler_input: str) -> bool:
+        """Whether some row of the step sets the table's ``sampler`` input away from its neutral default: an op skips
+        its work otherwise. One question for every input, so that a new row needs no flag of its own here."""
+        if sampler_input not in _SAMPLER_NAMES:
+            raise KeyError(f"no sampler input {sampler_input!r} in the sampling table")
+        return sampler_input in self.inputs
 
     def __len__(self) -> int:
         return len(self.infos)
