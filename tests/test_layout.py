@@ -375,7 +375,6 @@ def test_no_engine_module_accumulates_per_token_lists():
 #: ``generation_kwargs``, which the table reads) and the ``generate`` command's flags (three of vLLM's, not a listing).
 SAMPLING_LISTINGS = {
     "megatron_serve.wire.sampling_fields": "the table",
-    "megatron_serve.wire.sampling_params": "SamplingParams' typed fields",
     "megatron_serve.engine.sampling.sampler": "the filters' arguments",
     "megatron_serve.server.rl.trl_generate": "TRL's GenerateRequest fields with TRL's defaults",
     "megatron_serve.commands.generate": "the command's --temperature, --top-p and --top-k",

@@ -5,8 +5,8 @@ accepts, the HTTP field of ``/v1/completions`` and ``/v1/chat/completions`` that
 description and, where it differs, its range), vLLM's and SGLang's names for it, the ``generation_config.json``
 key whose value becomes its default, and the per-slot input the sampler reads it as. The readers:
 
-* ``wire/sampling_params.py`` declares the fields (typed, with the table's defaults: a test holds them equal) and
-  checks every row's range and type here (:func:`checked`);
+* ``wire/sampling_params.py`` builds ``SamplingParams`` from the rows (one field each, its type and default) and
+  checks every row's range and type;
 * the HTTP server builds the request fields of the copied rows from the table (``server/models.py``; an
   extension's description is listed with the others in ``server/extensions.py``), copies them into
   ``SamplingParams`` in a loop (``server/translate.py``) and speaks vLLM's and SGLang's names through it
@@ -15,13 +15,14 @@ key whose value becomes its default, and the per-slot input the sampler reads it
 * the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling/sampling_state.py``), and the parity checker
   scores a request again with its ``FILTER`` rows (``engine/sampling/logprob_parity.py``).
 
-So a new sampling parameter is a row here, a typed field in ``SamplingParams``, the op that applies it
+So a new sampling parameter is a row here, the op that applies it
 (``engine/sampling/sampler.py`` for a filter, ``engine/sampling/logits_processors.py`` for a penalty or control) and its test.
 Standard library only: the HTTP server and the coordinator import it without torch.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,16 @@ MAX_TOP_N_LOGPROBS = 20
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 #: Seeds are 64-bit signed integers in the OpenAI API (the engine's are their value modulo 2**63).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``RequestOutputKind`` (``SamplingParams.output_kind``): what each ``RequestOutput`` of an iterated
+    ``generate`` holds. An ``IntEnum`` (vLLM's is an ``Enum`` of the same values), so that the wire carries the
+    number and comparisons read as in vLLM."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # only what is new since the last one
+    FINAL_ONLY = 2  # nothing before the finished output
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class SamplingField:
     generation_config: str | None = None  # the generation_config.json key whose value becomes the default
     sampler: str | None = None  # the per-slot vector the engine keeps of it (``SamplingState.vector``)
     stage: str | None = None  # FILTER, PENALTY or CONTROL: how the engine applies it (None: no logits op)
+    annotation: str | None = None  # SamplingParams' type, where ``kind`` (or None) does not say it: a list, a map...
 
     @property
     def request_bounds(self) -> Bounds | None:
@@ -118,8 +130,9 @@ FIELDS: tuple[SamplingField, ...] = (
                   sglang="top_p", generation_config="top_p", sampler="top_p", stage=FILTER),
     SamplingField("num_tokens_to_generate", int, 16, Bounds(1), "max_tokens", vllm="max_tokens",
                   sglang="max_new_tokens", generation_config="max_new_tokens"),
-    SamplingField("stop_words", object, [], http="stop", vllm="stop", sglang="stop"),
-    SamplingField("termination_id", object, None),  # the tokenizer's EOS ids, filled in by the engine
+    SamplingField("stop_words", object, [], http="stop", vllm="stop", sglang="stop", annotation="list[str]"),
+    # the tokenizer's EOS ids, filled in by the engine
+    SamplingField("termination_id", object, None, annotation="int | list[int] | None"),
     SamplingField("ignore_eos", bool, False, None, "ignore_eos", True,
                   http_doc="keep generating past end-of-sequence tokens" + _VLLM, extension=True, vllm="ignore_eos",
                   sglang="ignore_eos"),
@@ -139,7 +152,7 @@ FIELDS: tuple[SamplingField, ...] = (
                   extension=True, vllm="repetition_penalty", sglang="repetition_penalty",
                   generation_config="repetition_penalty", sampler="repetition", stage=PENALTY),
     SamplingField("logit_bias", object, None, http="logit_bias", vllm="logit_bias", sglang="logit_bias",
-                  stage=CONTROL),
+                  stage=CONTROL, annotation="dict[int, float] | list[tuple[int, float]] | None"),
     SamplingField("min_p", float, 0.0, Bounds(0.0, 1.0), "min_p", True, _float,
                   http_doc="drop tokens less likely than min_p times the most likely one; 0 = off" + _VLLM,
                   extension=True, vllm="min_p", sglang="min_p", generation_config="min_p", sampler="min_p",
@@ -148,9 +161,10 @@ FIELDS: tuple[SamplingField, ...] = (
                   http_doc="no end-of-sequence token, stop token or stop string before this many tokens" + _VLLM,
                   extension=True, vllm="min_tokens", sglang="min_new_tokens", sampler="min_tokens", stage=CONTROL),
     SamplingField("stop_token_ids", object, [], http="stop_token_ids", vllm="stop_token_ids",
-                  sglang="stop_token_ids"),
+                  sglang="stop_token_ids", annotation="list[int]"),
     SamplingField("return_prompt_log_probs", bool, False, http="prompt_logprobs", vllm="prompt_logprobs"),
-    SamplingField("structured_outputs", object, None, http="structured_outputs", vllm="structured_outputs"),
+    SamplingField("structured_outputs", object, None, http="structured_outputs", vllm="structured_outputs",
+                  annotation="StructuredOutputsParams | None"),
     SamplingField("return_routing_indices", bool, False, None, "return_routing_indices", True,
                   http_doc="mixture-of-experts models: add routing_indices (the experts every processed token of "
                            "prompt and answer was routed to) to each choice", extension=True),
@@ -174,10 +188,11 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("include_stop_str_in_output", bool, False, None, "include_stop_str_in_output", True,
                   http_doc="end the text after the stop string that ended it instead of before; default false"
                            + _VLLM, extension=True, vllm="include_stop_str_in_output", sglang="no_stop_trim"),
-    SamplingField("tenant", object, None),  # whose request: set by the server from its API key (wire/tenancy.py)
+    # whose request: set by the server from its API key (wire/tenancy.py)
+    SamplingField("tenant", object, None, annotation="TenantTag | None"),
     # What an iterated generate yields (vLLM's RequestOutputKind: 0 cumulative, 1 deltas, 2 the final output only):
     # the Python API's side only, as in vLLM, where the HTTP server picks it by ``stream``.
-    SamplingField("output_kind", int, 0, Bounds(0, 2), vllm="output_kind"),
+    SamplingField("output_kind", int, RequestOutputKind.CUMULATIVE, Bounds(0, 2), vllm="output_kind"),
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

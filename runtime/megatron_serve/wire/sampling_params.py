@@ -3,8 +3,9 @@
 ``SamplingParams`` is a ``msgspec.Struct``: the same class is the Python API and the wire form (a
 msgpack map of its fields, defaults left out). Each field is a row of the table of sampling parameters
 (:mod:`.sampling_fields`: its default, range, HTTP field, vLLM and SGLang names, generation_config key,
-sampler input): a new field is declared here, typed, and described there, and :meth:`SamplingParams.validate`
-checks every row's type and range from the table (the checks that relate fields stay here). Decoding checks
+sampler input): the struct is built from the rows, one field each with the row's type and default, and
+:meth:`SamplingParams.validate` checks every row's type and range from the table (the checks that relate fields
+stay here, in the methods the rows' struct inherits). Decoding checks
 the types in C and then runs ``__post_init__``; building one in Python runs the same checks. Unknown fields
 are an error, not silently ignored.
 
@@ -16,14 +17,13 @@ different values is a ``ValueError`` naming both. The wire knows only our names.
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import msgspec
-from msgspec import field
 
 from .sampling_fields import (
     FIELDS,
+    RequestOutputKind,
     LOGITS_CONTROLS,
     MAX_LOGIT_BIAS,
     PENALTIES,
@@ -194,16 +194,6 @@ def _ours(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     return ours
 
 
-class RequestOutputKind(enum.IntEnum):
-    """vLLM's ``RequestOutputKind`` (``SamplingParams.output_kind``): what each ``RequestOutput`` of an iterated
-    ``generate`` holds. An ``IntEnum`` (vLLM's is an ``Enum`` of the same values), so that the wire carries the
-    number and comparisons read as in vLLM."""
-
-    CUMULATIVE = 0  # the whole output so far
-    DELTA = 1  # only what is new since the last one
-    FINAL_ONLY = 2  # nothing before the finished output
-
-
 #: vLLM's keyword names that ``SamplingParams(...)`` takes -> what each sets here.
 VLLM_NAMES: dict[str, str] = {
     "max_tokens": "num_tokens_to_generate",
@@ -215,59 +205,8 @@ VLLM_NAMES: dict[str, str] = {
 }
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, metaclass=_VllmNames):
-    """How one request samples and when it stops.
-
-    ``termination_id`` of ``None`` means "the tokenizer's EOS ids"; the engine fills them in.
-    vLLM's names are taken too (module docstring); ``max_tokens``, ``stop``, ``logprobs`` and
-    ``prompt_logprobs`` also read back as in vLLM. ``n``, ``truncate_prompt_tokens``: applied by
-    ``MegatronLLM``/``MegatronAsyncLLM`` (``n`` requests per prompt, the prompt's last tokens); one
-    request on the wire runs one sequence of its whole prompt, so a ``SUBMIT`` carrying either is
-    refused. ``priority``: lower is admitted first when the engines are full (then arrival);
-    ``cache_salt``: prefix-cache entries are shared only between requests with the same salt.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    num_tokens_to_generate: int = 16
-    stop_words: list[str] = field(default_factory=list)
-    termination_id: int | list[int] | None = None
-    ignore_eos: bool = False
-    return_log_probs: bool = False
-    top_n_logprobs: int = 0
-    seed: int | None = None
-    # Extensions of the OpenAI/vLLM surface; every default is neutral (output unchanged) and, like
-    # every default, stays off the wire, so a request that uses none of them reads the same to a
-    # peer that predates them. ``logit_bias`` also reads as ``[id, bias]`` pairs (what such peers sent).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | list[tuple[int, float]] | None = None
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    return_prompt_log_probs: bool = False
-    structured_outputs: StructuredOutputsParams | None = None
-    return_routing_indices: bool = False  # MoE models: the experts of every processed token (routing replay)
-    n: int = 1  # sequences per prompt (expanded by the Python API; a wire request runs one)
-    sample_index: int = 0  # which of the ``n`` sequences of its prompt: keys its stream with the seed
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (applied by the Python API)
-    priority: int = 0  # admission order when the engines are full: lower first, then arrival
-    cache_salt: str | None = None  # prefix-cache entries are shared only within one salt
-    # The LoRA adapter it runs under (engine.lora): a name the engine serves, or, with a path, one it loads
-    # on first use (the Python API's LoRARequest); None: the base model.
-    lora_name: str | None = None
-    lora_path: str | None = None
-    # Detokenizer options (vLLM's names and defaults), applied where the text is made (the client side):
-    # special tokens' text left out of ``generated_text``; a stop string kept at the end of the text.
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    # Whose request it is, its class and its tenant's weight (wire.tenancy): set by the HTTP server for a configured
-    # tenant; the coordinator's queue and the engines' scheduler share by it. None: the anonymous tenant, standard.
-    tenant: TenantTag | None = None
-    # vLLM's RequestOutputKind: what an iterated generate yields (the Python API's; engines never read it).
-    output_kind: int = RequestOutputKind.CUMULATIVE
+class _SamplingParamsMethods(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, metaclass=_VllmNames):
+    """What :class:`SamplingParams` does (its checks, vLLM's read-back names); its fields are the table's rows."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -386,6 +325,34 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def is_greedy(self) -> bool:
         """Temperatures this small make sampling numerically meaningless: they decode greedily."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _annotation(row: SamplingField) -> Any:
+    """The type ``SamplingParams`` declares for ``row``: its ``annotation`` where the table gives one (lists, maps,
+    structs: text, resolved in this module), else its ``kind``, which may be None where the default is."""
+    if row.annotation is not None:
+        return row.annotation
+    return row.kind | None if row.default is None else row.kind
+
+
+def _derived(name: str, doc: str) -> type[_SamplingParamsMethods]:
+    """The struct of one field per row of the table, in its order, with its default (an empty list's is copied per
+    instance, as msgspec does for empty collections): a new sampling parameter is its row, not a line here too."""
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": name, "__doc__": doc,
+                                 "__annotations__": {row.name: _annotation(row) for row in FIELDS}}
+    namespace.update((row.name, row.default) for row in FIELDS)
+    return _VllmNames(name, (_SamplingParamsMethods,), namespace)
+
+
+SamplingParams = _derived("SamplingParams", """How one request samples and when it stops: one field per row of
+:data:`~.sampling_fields.FIELDS` (its name, type and default; the row says what each means).
+
+``termination_id`` of ``None`` means "the tokenizer's EOS ids"; the engine fills them in. vLLM's names are taken
+too (module docstring); ``max_tokens``, ``stop``, ``logprobs`` and ``prompt_logprobs`` also read back as in vLLM.
+``n``, ``truncate_prompt_tokens``: applied by ``MegatronLLM``/``MegatronAsyncLLM`` (``n`` requests per prompt, the
+prompt's last tokens); one request on the wire runs one sequence of its whole prompt, so a ``SUBMIT`` carrying
+either is refused. Every default is neutral (output unchanged) and stays off the wire, so a request that uses no
+extension reads the same to a peer that predates them. ``logit_bias`` also reads as ``[id, bias]`` pairs.""")
 
 
 _BASE_FIELDS = SamplingParams.__struct_fields__[:SamplingParams.__struct_fields__.index("presence_penalty")]
