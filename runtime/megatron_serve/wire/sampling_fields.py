@@ -15,8 +15,9 @@ key whose value becomes its default, and the per-slot input the sampler reads it
 * the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling/sampling_state.py``), and the parity checker
   scores a request again with its ``FILTER`` rows (``engine/sampling/logprob_parity.py``).
 
-So a new sampling parameter is a row here, the op that applies it
-(``engine/sampling/sampler.py`` for a filter, ``engine/sampling/logits_processors.py`` for a penalty or control) and its test.
+So a new sampling parameter is a row here, the op that applies it (``engine/sampling/sampler.py`` for a filter,
+``engine/sampling/logits_processors.py`` for a penalty or control, the control row's tables in
+``engine/sampling/sampling_state.py`` for one that is a fixed bias or mask, as ``allowed_token_ids``) and its test.
 Standard library only: the HTTP server and the coordinator import it without torch.
 """
 
@@ -82,7 +83,9 @@ class SamplingField:
     """
 
     name: str
-    kind: type  # int, float, bool, str; ``object`` for lists, maps and structs (checked by SamplingParams itself)
+    # int, float, bool, str; ``list`` for token ids (each checked); ``object`` for other lists, maps and structs
+    # (checked by SamplingParams itself)
+    kind: type
     default: Any
     bounds: Bounds | None = None  # what SamplingParams accepts (numbers); None: any value of ``kind``
     http: str | None = None  # the request field of /v1/completions and /v1/chat/completions that sets it
@@ -160,7 +163,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("min_tokens", int, 0, Bounds(0), "min_tokens", True,
                   http_doc="no end-of-sequence token, stop token or stop string before this many tokens" + _VLLM,
                   extension=True, vllm="min_tokens", sglang="min_new_tokens", sampler="min_tokens", stage=CONTROL),
-    SamplingField("stop_token_ids", object, [], http="stop_token_ids", vllm="stop_token_ids",
+    SamplingField("stop_token_ids", list, [], http="stop_token_ids", vllm="stop_token_ids",
                   sglang="stop_token_ids", annotation="list[int]"),
     SamplingField("return_prompt_log_probs", bool, False, http="prompt_logprobs", vllm="prompt_logprobs"),
     SamplingField("structured_outputs", object, None, http="structured_outputs", vllm="structured_outputs",
@@ -193,6 +196,9 @@ FIELDS: tuple[SamplingField, ...] = (
     # What an iterated generate yields (vLLM's RequestOutputKind: 0 cumulative, 1 deltas, 2 the final output only):
     # the Python API's side only, as in vLLM, where the HTTP server picks it by ``stream``.
     SamplingField("output_kind", int, RequestOutputKind.CUMULATIVE, Bounds(0, 2), vllm="output_kind"),
+    # vLLM's: only these tokens may be sampled (every other one's logit is masked out, for greedy rows too).
+    SamplingField("allowed_token_ids", list, None, vllm="allowed_token_ids", stage=CONTROL,
+                  annotation="list[int] | None"),
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

@@ -252,12 +252,8 @@ class _SamplingParamsMethods(msgspec.Struct, forbid_unknown_fields=True, omit_de
             # vLLM's words and public name (``num_tokens_to_generate`` is ``max_tokens`` everywhere a user writes it)
             raise SamplingParamError("min_tokens", f"must be less than or equal to max_tokens="
                                                    f"{self.num_tokens_to_generate}, got {self.min_tokens}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
-            raise SamplingParamError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, minimum=0)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
+        for row in _TOKEN_LISTS:
+            setattr(self, row.name, _token_list(row, getattr(self, row.name)))
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -422,6 +418,21 @@ def _typed_error(exc: msgspec.ValidationError, data: dict[str, Any] | bytes | No
 
 #: The rows whose type (and range) the table states: numbers, flags and strings.
 _CHECKED = tuple(row for row in FIELDS if row.kind in (int, float, bool, str))
+_TOKEN_LISTS = tuple(row for row in FIELDS if row.kind is list)
+
+
+def _token_list(row: SamplingField, value: Any) -> list[int] | None:
+    """A row of token ids (``kind`` list): a list (a tuple is taken) of token ids. One whose default is None (a
+    restriction asked for) may not be empty, as vLLM refuses an empty ``allowed_token_ids``."""
+    if value is None and row.default is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise SamplingParamError(row.name, f"must be a list of token ids, got {value!r}")
+    if not value and row.default is None:
+        raise SamplingParamError(row.name, "must name at least one token id, got an empty list")
+    for token_id in value:
+        _check_int(row.name, token_id, minimum=0)
+    return list(value)
 
 
 def _check_field(row: SamplingField, value: Any) -> None:

@@ -200,6 +200,8 @@ class SamplingState:
         bias = torch.zeros(vocab, dtype=torch.float32)
         for token, value in (params.logit_bias or {}).items():
             bias[token] += value
+        if params.allowed_token_ids is not None:  # every other token is masked out
+            bias.masked_fill_(_token_counts(params.allowed_token_ids, vocab) == 0, float("-inf"))
         stop = _token_counts(stop_token_ids, vocab) > 0
         counts = _token_counts(output_tokens, vocab).to(torch.float32)
         prompt = _token_counts(prompt_tokens, vocab) > 0
