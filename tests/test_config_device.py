@@ -31,8 +31,26 @@ def test_a_config_of_default_dtype_is_made_and_sent_without_torch():
     code = ("import sys; from megatron_serve.config import InferenceConfig; c = InferenceConfig(); "
             "print(c.device, c.to_dict()['dtype'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    built_for_gpus = config._torch_built_for_gpus()
-    assert out == [config.default_device(), "None", str(built_for_gpus)]
+    torch_asked = config._torch_built_for_gpus() and config.gpu_driver_present()
+    assert out == [config.default_device(), "None", str(torch_asked)]
+
+
+@pytest.mark.parametrize(("paths", "present"), [
+    ((), False),  # a machine without GPUs: a CUDA build of torch would see none
+    (("dev/nvidiactl", "dev/nvidia0"), True),
+    (("proc/driver/nvidia/version",), True),  # the module loaded, its device nodes made on first use
+    (("dev/kfd",), True),  # ROCm
+    (("dev/dxg",), True),  # WSL
+    (("dev/null", "proc/driver/rtc"), False),
+])
+def test_a_gpu_driver_is_seen_by_its_device_files(tmp_path, monkeypatch, paths, present):
+    monkeypatch.setattr(sys, "platform", "linux")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "proc" / "driver").mkdir(parents=True)
+    for path in paths:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    assert config.gpu_driver_present(tmp_path) is present
 
 
 def test_a_named_dtype_becomes_torchs_and_is_sent_by_name():

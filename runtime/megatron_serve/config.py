@@ -47,9 +47,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def default_device() -> str:
-    """``cuda`` where torch sees a GPU, else ``cpu``: ``torch.cuda.is_available()``, asked without importing torch
-    where its build has neither CUDA nor ROCm (its ``version.py`` says so; such a build never sees a GPU)."""
-    if "torch" not in sys.modules and not _torch_built_for_gpus():
+    """``cuda`` where torch sees a GPU, else ``cpu``: ``torch.cuda.is_available()``, answered without importing torch
+    where its build has neither CUDA nor ROCm (its ``version.py`` says so) or where the machine has no GPU driver
+    (:func:`gpu_driver_present`): torch would see no GPU there either."""
+    if "torch" not in sys.modules and not (_torch_built_for_gpus() and gpu_driver_present()):
         return "cpu"
     import torch  # noqa: PLC0415 - see _DTYPE_NAMES
 
@@ -65,6 +66,17 @@ def _torch_built_for_gpus() -> bool:
         return names_gpu_version((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
     except (OSError, SyntaxError, StopIteration):
         return True
+
+
+def gpu_driver_present(root: Path = Path("/")) -> bool:
+    """Whether a Linux machine shows a GPU driver to this process: NVIDIA's device nodes or its kernel module's
+    ``/proc/driver/nvidia``, ROCm's ``/dev/kfd``, WSL's ``/dev/dxg``. Without any, CUDA and ROCm find no device
+    (a CUDA build of torch on a machine without GPUs, as ``make run`` installs); True elsewhere (torch is asked)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    dev = root / "dev"
+    return (any(dev.glob("nvidia*")) or (root / "proc" / "driver" / "nvidia").exists() or (dev / "kfd").exists()
+            or (dev / "dxg").exists())
 
 
 def names_gpu_version(version_py: str) -> bool:
