@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,8 +65,9 @@ def rollout(tmp_path_factory) -> SimpleNamespace:
     prompts = [tokenizer.encode(text) for text in TEXTS]
     reference = SimpleNamespace(a=asyncio.run(_served(a, prompts)), b=asyncio.run(_served(b, prompts)))
     assert reference.a != reference.b
-    work = root / "work"
-    work.mkdir()
+    # Ray puts its sockets under the work directory, and an AF_UNIX path is at most 107 bytes: pytest's own
+    # temporary folders (under make test's TMPDIR) are too deep for the session path Ray adds, so a short one.
+    work = Path(tempfile.mkdtemp(prefix="verl-", dir="/tmp"))
     verl = subprocess.Popen([str(VENV_PYTHON), str(SCRIPT), a, b, json.dumps(prompts), str(work)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             cwd=ROOT, start_new_session=True)
@@ -76,6 +79,7 @@ def rollout(tmp_path_factory) -> SimpleNamespace:
         pytest.fail(f"verl_rollout.py ran past its {VERL_BUDGET_S} s:\n{stderr[-6000:]}")
     finally:
         left = end_ray(verl, work)
+        shutil.rmtree(work, ignore_errors=True)
     assert verl.returncode == 0, f"verl_rollout.py exited {verl.returncode}:\n{stderr[-6000:]}"
     assert left == [], f"Ray processes left running after verl_rollout.py (ended now): {left}"
     return SimpleNamespace(**json.loads(stdout.splitlines()[-1]), reference=reference)
