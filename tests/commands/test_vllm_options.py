@@ -116,11 +116,12 @@ def start_serve(root: Path, extra: list[str], log: Path) -> tuple[subprocess.Pop
 def test_serve_comes_up_with_every_implemented_and_accepted_option_and_they_act_or_warn_once_each(hub, tmp_path):
     """One process for both kinds (a serve start costs more than what each kind asks of it): the accepted options
     change nothing, so the implemented ones act as alone."""
-    # EPLB balances an expert-parallel group (--enable-expert-parallel), which this serve does not start: its flags
-    # have their own tests (tests/model/test_eplb.py, tests/parallel/test_expert_parallel_eplb.py)
+    # Expert parallelism and EPLB are refused on this dense model (it has no experts to place or balance): their
+    # flags have their own tests (tests/model/test_eplb.py, tests/parallel/test_expert_parallel_eplb.py, and the
+    # refusal's in tests/commands)
     implemented = [row for row in rows(Status.IMPLEMENTED)
                    if row.example and row.name not in ("--host", "--port", "--download-dir", "--enable-eplb",
-                                                        "--eplb-config")]
+                                                        "--eplb-config", "--enable-expert-parallel")]
     accepted = rows(Status.ACCEPTED)
     extra = arguments(implemented + accepted, model=HUB_ID, tmp=str(hub), port="unused")
     log = tmp_path / "serve.out"
