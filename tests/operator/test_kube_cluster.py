@@ -207,8 +207,12 @@ def test_a_leaderworkerset_gang_runs_under_the_real_lws_controller(kube: KubeClu
             "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": "gang"},
             "spec": {"replicas": 1, "leaderWorkerTemplate": {"size": 2, "workerTemplate": {"spec": gpu_pod_spec(8)}}}})
     selector = "leaderworkerset.sigs.k8s.io/name=gang"
-    pods = until(lambda: [p for p in _pods(core, ns, selector) if p.status.phase == "Running"]
-                 if len(_pods(core, ns, selector)) == 2 else [], 90, "the leader and its worker Running")
+
+    def both_running() -> list[Any]:
+        pods = _pods(core, ns, selector)
+        return pods if len(pods) == 2 and all(p.status.phase == "Running" for p in pods) else []
+
+    pods = until(both_running, 90, "the leader and its worker Running")
     pods = sorted(pods, key=lambda p: p.metadata.name)
     assert [p.metadata.name for p in pods] == ["gang-0", "gang-0-1"]
     assert [p.metadata.labels["leaderworkerset.sigs.k8s.io/worker-index"] for p in pods] == ["0", "1"]
