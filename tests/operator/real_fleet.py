@@ -10,11 +10,15 @@ that fits is placed whatever runs beside it.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from megatron_operator import names
 
-from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, service_account_kubeconfig, until
+from .real_cluster import Namespace
+from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, clients, service_account_kubeconfig, until
 
 #: What marks a node as kwok's to play (tools/kube-cluster starts kwok with this annotation selector).
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
@@ -69,12 +73,13 @@ class Fleet:
         if ref:
             self.kubectl.run("create", "secret", "generic", ref["name"], f"--from-literal={ref['key']}=test-key")
 
-    def gpu_pool(self, count: int, gpus: int = 8) -> dict[str, Any]:
-        """``count`` kwok GPU nodes of this test's own; returns what a resource's ``spec.engine`` needs to land
-        there (a nodeSelector and a toleration of the pool's taint)."""
+    def gpu_pool(self, count: int, gpus: int = 8, first: int = 0) -> dict[str, Any]:
+        """``count`` kwok GPU nodes of this test's own, numbered from ``first`` (a later call adds nodes to the pool
+        without touching those it has); returns what a resource's ``spec.engine`` needs to land there (a nodeSelector
+        and a toleration of the pool's taint)."""
         ns = self.kubectl.namespace
         nodes = []
-        for i in range(count):
+        for i in range(first, first + count):
             name = f"{ns}-gpu-{i}"
             capacity = {"cpu": "224", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
             nodes.append({
@@ -156,3 +161,14 @@ def placement_problems(kubectl: Kubectl, pods: list[dict[str, Any]], gpus: int) 
         if total > allocatable:
             problems.append(f"{node}: {total} GPUs bound of {allocatable}")
     return problems
+
+
+@pytest.fixture
+def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
+    """The test's fleet in its own namespace, with the chart's RBAC installed; its operator stopped at the end."""
+    f = Fleet(*clients(kube_namespace), tmp_path)
+    f.install_chart_rbac()
+    try:
+        yield f
+    finally:
+        f.close()

@@ -9,17 +9,15 @@ Each test has GPU nodes of its own (:meth:`Fleet.gpu_pool`: three nodes of 8 GPU
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from megatron_operator.spec import parse
 
-from .real_fleet import Fleet, placement_problems
-from .real_tools import clients, condition, example, until
-from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, placement_problems, fleet  # noqa: F401 - the fixture
+from .real_tools import condition, example, until
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 
 #: example -> the data parallelism it runs with here (None: its own)
 LAYOUTS = {
@@ -31,16 +29,6 @@ LAYOUTS = {
     "moe-expert-parallel.yaml": 1,  # EP gang: one pod of 4 GPUs per attention rank, four pods
     "rl-rollout-paused.yaml": None,  # eight groups of one GPU, Paused
 }
-
-
-@pytest.fixture
-def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
-    f = Fleet(*clients(kube_namespace), tmp_path)
-    f.install_chart_rbac()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _on_pool(resource: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:

@@ -13,30 +13,19 @@ from __future__ import annotations
 
 import base64
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.helpers import Children, free_port
 
-from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_fleet import Fleet
-from .real_tools import MI, clients, example, until
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
+from .real_tools import MI, example, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NAME = "tiny"
-
-
-@pytest.fixture
-def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
-    f = Fleet(*clients(kube_namespace), tmp_path)
-    f.install_chart_rbac()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _status(fleet: Fleet) -> dict[str, Any]:

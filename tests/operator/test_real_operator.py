@@ -10,31 +10,18 @@ resource's coordinator conditions say so, and the lifecycle verbs are not exerci
 from __future__ import annotations
 
 import json
-import pathlib
 import re
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import yaml
 
 from megatron_operator import names
 
-from .real_fleet import Fleet, placement_problems
-from .real_tools import MI, clients, condition, example, until
-from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, placement_problems, fleet  # noqa: F401 - the fixture
+from .real_tools import MI, condition, example, until
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 
 NAME = "llama-1b"
-
-
-@pytest.fixture
-def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
-    f = Fleet(*clients(kube_namespace), tmp_path)
-    f.install_chart_rbac()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _placed(fleet: Fleet, count: int) -> list[dict[str, Any]] | None:
@@ -166,13 +153,16 @@ def test_operator_killed_mid_reconcile_converges_when_restarted(fleet: Fleet):
     kubectl.apply([resource])
     until(lambda: kubectl.get("secret", f"{NAME}-coordinator-token"), 60, "the first child")
     first.stop(kill=True)
+    # The first process may have adopted the Service already (then killed before or after its Event): the Event is
+    # asked of the new process only where the adoption was left to it.
+    adopted_before = bool(kubectl.get("service", NAME)["metadata"].get("ownerReferences"))
     second = fleet.operator()
     until(lambda: _placed(fleet, 1), 90, "the engine pod Running after the restart")
     until(lambda: ((fleet.mi(NAME) or {}).get("status") or {}).get("engines", {}).get("ready") == 1, 60,
           "the status written by the new process")
     (owner,) = kubectl.get("service", NAME)["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["uid"]) == ("MegatronInference", fleet.mi(NAME)["metadata"]["uid"])
-    assert any(e.get("reason") == "Adopted" for e in kubectl.events(NAME)), kubectl.events(NAME)
+    assert adopted_before or any(e.get("reason") == "Adopted" for e in kubectl.events(NAME)), kubectl.events(NAME)
     assert "Traceback" not in second.log(), second.log()[-3000:]
 
 

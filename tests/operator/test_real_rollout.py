@@ -10,29 +10,15 @@ refuses its model fails the same way to the operator (a pod not Ready), with its
 from __future__ import annotations
 
 import json
-import pathlib
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
-from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_fleet import Fleet
-from .real_tools import clients, condition, example, until
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
+from .real_tools import condition, example, until
 
 NAME = "llama-1b"
 GROUPS = 3
 DEADLINE = 15
-
-
-@pytest.fixture
-def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
-    f = Fleet(*clients(kube_namespace), tmp_path)
-    f.install_chart_rbac()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _ready(pod: dict[str, Any]) -> bool:

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +35,9 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from tests.helpers import Children, free_port
 
-from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_fleet import Fleet
-from .real_tools import clients, condition, example, until
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
+from .real_tools import condition, example, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -48,16 +47,6 @@ STREAMS = 32
 TOKENS = 24
 DEADLINE = 15  # spec.rollout.progressDeadlineSeconds of the bad rollout
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=TOKENS, ignore_eos=True)
-
-
-@pytest.fixture
-def fleet(kube_namespace: Namespace, tmp_path: pathlib.Path) -> Iterator[Fleet]:
-    f = Fleet(*clients(kube_namespace), tmp_path)
-    f.install_chart_rbac()
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _ready(pod: dict[str, Any]) -> bool:
