@@ -138,6 +138,12 @@ async def test_a_small_request_beside_a_large_answer_keeps_its_pace(tokenizer, b
         gc.unfreeze()
 
 
+#: How many times the large answer is fetched beside the small completions. Serializing the whole answer on the
+#: event loop stalls the small ones every time; a stall of the host's scheduler (three workers on two cores) hits one
+#: fetch now and then: the bound holds for the best of the fetches.
+FETCHES = 3
+
+
 async def _beside(tokenizer, backend, large: dict, small: dict) -> None:
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
         async def small_latency() -> float:
@@ -147,23 +153,25 @@ async def _beside(tokenizer, backend, large: dict, small: dict) -> None:
             return time.perf_counter() - started
 
         alone = [await small_latency() for _ in range(10)]
-        received = 0
-        large_started = time.perf_counter()
+        fetches = []
+        for _ in range(FETCHES):
+            received = 0
+            large_started = time.perf_counter()
 
-        async def fetch_large() -> None:
-            nonlocal received
-            async with http.stream("POST", "/v1/completions", json=large) as answer:
-                assert answer.status_code == 200
-                async for chunk in answer.aiter_raw():
-                    received += len(chunk)
+            async def fetch_large() -> None:
+                nonlocal received
+                async with http.stream("POST", "/v1/completions", json=large) as answer:
+                    assert answer.status_code == 200
+                    async for chunk in answer.aiter_raw():
+                        received += len(chunk)
 
-        task = asyncio.create_task(fetch_large())
-        beside = []
-        while not task.done():
-            beside.append(await small_latency())
-        await task
-        large_took = time.perf_counter() - large_started
-    assert received > 10_000_000 and len(beside) >= 3
+            task = asyncio.create_task(fetch_large())
+            beside = []
+            while not task.done():
+                beside.append(await small_latency())
+            await task
+            assert received > 10_000_000 and len(beside) >= 3
+            fetches.append((max(beside) / (time.perf_counter() - large_started), max(beside), len(beside)))
     # The small completions ran all along the large answer, none waiting for more than a sliver of it (made whole
     # and serialized on the event loop, as before, the worst waited about a tenth of it: the serialization)
-    assert max(beside) < large_took / 25, (statistics.median(alone), max(beside), len(beside), large_took)
+    assert min(share for share, _, _ in fetches) < 1 / 25, (statistics.median(alone), fetches)
