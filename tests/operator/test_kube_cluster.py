@@ -6,9 +6,8 @@ kubelets are kwok's (pods become Running/Ready without containers), which is wha
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import kubernetes
 import pytest
@@ -16,22 +15,10 @@ from kubernetes.client import (AppsV1Api, AuthenticationV1TokenRequest, CoreV1Ap
                                VersionApi)
 from kubernetes.client.exceptions import ApiException
 
+from .real_tools import until
 from .real_cluster import KUBERNETES_VERSION, KubeCluster, Namespace, kube, kube_namespace  # noqa: F401
 
-T = TypeVar("T")
 GPU = "nvidia.com/gpu"
-
-
-def until(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll until ``predicate()`` is truthy; fail naming ``what`` and the last value seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        last = predicate()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
-        time.sleep(0.25)
 
 
 @pytest.fixture
