@@ -61,13 +61,16 @@ def _ready(url: str) -> tuple[int, dict]:
     return answer.status_code, answer.json()
 
 
-def _until_ready(url: str, status: int, held: bool) -> dict:
-    """Poll ``/ready`` until it answers ``status`` with ``held`` (the probe port follows the server's stamps)."""
+def _until_ready(url: str, status: int, held: bool, missing: list[str] | None = None) -> dict:
+    """Poll ``/ready`` until it answers ``status`` with ``held`` (and, when given, names exactly ``missing``: a
+    server that has not yet reached its coordinator is 503 too, for another reason). The probe port follows the
+    server's stamps."""
     seen: list = []
 
     def matches() -> bool:
         seen[:] = _ready(url)
-        return seen[0] == status and seen[1].get("held") is held
+        named = missing is None or seen[1].get("missing") == missing
+        return seen[0] == status and seen[1].get("held") is held and named
 
     try:
         wait_until(matches, 30, f"/ready {status} held={held} on {url}", interval=0.1)
@@ -158,8 +161,8 @@ def test_with_holding_off_the_default_a_fleet_without_engines_is_not_ready(tiny_
         probes = f"http://127.0.0.1:{(probe_port := free_port())}"
         url = _server(children, tiny_model, port, "--health-port", str(probe_port))
         for where in (url, probes):
-            body = _until_ready(where, 503, held=False)
-            assert body["missing"] == ["engines"] and "none is registered" in body["detail"], body
+            body = _until_ready(where, 503, held=False, missing=["engines"])
+            assert "none is registered" in body["detail"], body
         assert _series(url)["megatron_serve_engine_groups_wanted"] == 0
     finally:
         children.kill_all()
