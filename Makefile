@@ -106,7 +106,7 @@ test: $(TESTING) $(VERL_INSTALLED) kube-tools
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
 	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \
 	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" $(KUBE_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		--durations=10 $(TEST_ARGS); \
+		--durations=30 $(TEST_ARGS); \
 	status=$$?; $(if $(MEGATRON_KUBECONFIG),,$(KUBE_CLUSTER) down "$$tmp/kube";) rm -rf "$$tmp"; exit $$status
 
 test-fast: $(TESTING)
