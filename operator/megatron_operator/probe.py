@@ -1,13 +1,18 @@
-"""Engine pod probes: ``python -m megatron_operator.probe registered|alive``.
+"""Pod probes: ``python -m megatron_operator.probe registered|alive|coordinator``.
 
 Engines expose no port of their own; what tells whether a group works is whether the
-coordinator has it registered. Both modes read the pod environment that ``render`` sets:
+coordinator has it registered. The engine modes read the pod environment that ``render`` sets:
 ``MEGATRON_SERVE_COORDINATOR``, ``MEGATRON_SERVE_GROUP`` and ``MEGATRON_SERVE_TOKEN``.
 
 - ``registered`` (startup and readiness): exit 0 when the coordinator lists an engine of this
   group, 1 otherwise (including when the coordinator cannot be reached).
 - ``alive`` (liveness): exit 1 only when a reachable coordinator does *not* list this group
   while it is not STOPPED; an unreachable coordinator is no reason to restart engines.
+- ``coordinator`` (the coordinator container's liveness): exit 0 when the coordinator in this pod
+  (``MEGATRON_SERVE_COORDINATOR``, else its port on 127.0.0.1) answers a STATUS within
+  :data:`COORDINATOR_DEADLINE` seconds, 1 otherwise. A stopped (SIGSTOP) or spinning coordinator keeps
+  its port open, and the kernel still completes a TCP connection to it: a ``tcpSocket`` probe passes
+  while it answers nobody. Asking the loop that serves requests is what tells a hung one.
 """
 
 from __future__ import annotations
@@ -15,9 +20,16 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from typing import Any
 
 from .coordinator_link import CoordinatorUnavailable, open_link
+from .names import COORDINATOR_PORT
+
+#: Seconds the coordinator has to answer the ``coordinator`` probe: the handshake and one STATUS, both
+#: served by its loop in milliseconds when it runs (the render's ``timeoutSeconds`` leaves room for the
+#: probe's own start).
+COORDINATOR_DEADLINE = 5.0
 
 
 def group_registered(status: dict[str, Any], group: int) -> bool:
@@ -49,7 +61,21 @@ async def _check(mode: str, address: str, group: int, token: str | None, timeout
     return 1, f"group {group} is not registered with the coordinator at {address}"
 
 
-PROBE_MODES = ("registered", "alive")
+async def _coordinator_answers(address: str, token: str | None, deadline: float) -> tuple[int, str]:
+    """0 when the coordinator at ``address`` answers a STATUS within ``deadline`` seconds in all, else 1."""
+    started = time.monotonic()
+    try:
+        link = await open_link(address, token, deadline)
+        try:
+            status = await link.status(max(0.1, deadline - (time.monotonic() - started)))
+        finally:
+            await link.close()
+    except CoordinatorUnavailable as exc:
+        return 1, f"the coordinator at {address} did not answer within {deadline:g}s: {exc}"
+    return 0, f"the coordinator at {address} answered in {time.monotonic() - started:.2f}s ({status.get('state')})"
+
+
+PROBE_MODES = ("registered", "alive", "coordinator")
 
 
 def parse_mode(argv: list[str]) -> str:
@@ -70,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         mode = parse_mode(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return int(exc.code or 0)
+    token = os.environ.get("MEGATRON_SERVE_TOKEN") or None
+    if mode == "coordinator":
+        address = os.environ.get("MEGATRON_SERVE_COORDINATOR") or f"tcp://127.0.0.1:{COORDINATOR_PORT}"
+        rc, message = asyncio.run(_coordinator_answers(address, token, COORDINATOR_DEADLINE))
+        print(message, file=sys.stderr if rc else sys.stdout)
+        return rc
     address = os.environ.get("MEGATRON_SERVE_COORDINATOR", "")
     group_text = os.environ.get("MEGATRON_SERVE_GROUP", "")
     if not address or not group_text.isdigit():
         print("probe: MEGATRON_SERVE_COORDINATOR and MEGATRON_SERVE_GROUP must be set", file=sys.stderr)
         return 2
-    token = os.environ.get("MEGATRON_SERVE_TOKEN") or None
     rc, message = asyncio.run(_check(mode, address, int(group_text), token, timeout=5.0))
     print(message, file=sys.stderr if rc else sys.stdout)
     return rc

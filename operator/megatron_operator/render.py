@@ -194,8 +194,11 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
         "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"}],
         # The ROUTER socket is bound exactly while the coordinator process serves.
         "readinessProbe": {"tcpSocket": {"port": "coordinator"}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"tcpSocket": {"port": "coordinator"}, "initialDelaySeconds": 10,
-                          "periodSeconds": 10, "failureThreshold": 6},
+        # Alive while its loop answers a STATUS within the probe's deadline: a stopped or spinning coordinator keeps
+        # the port open (a tcpSocket probe passes) while it answers nobody; restarted after 30 s of that, as `run`
+        # restarts a hung one.
+        "livenessProbe": {"exec": {"command": ["python", "-m", "megatron_operator.probe", "coordinator"]},
+                          "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 3},
         "resources": spec.coordinator_resources or DEFAULT_SIDE_RESOURCES,
         "securityContext": _container_security(),
         "volumeMounts": mounts,
