@@ -4,6 +4,9 @@ Grows ``coordinator_core.py``'s replay (the coordinator's core and frame codec i
 wire frame, decoded as the coordinator process decodes it; only the coordinator's share is timed) to sizes a fleet
 past one machine reaches. Per size, in this order:
 
+* **dispatch into an idle fleet**: one SUBMIT per input into engines that all have room, each input timed (its
+  decoding, the request's admission and dispatch, the frame to its engine): p50/p99, which a scan of the engines
+  would grow with the fleet;
 * **admission**: one client submits every request, in BATCH frames of 256 SUBMITs; the engines' room fills at once
   and the rest waits: CPU per request admitted, and the process's memory per request held (RSS, after a
   collection);
@@ -46,6 +49,8 @@ CAPACITY = 8  # requests each simulated engine runs at once; the coordinator kee
 class Row:
     engines: int
     queued: int  # requests waiting in the coordinator after admission
+    dispatch_p50_us: float  # one SUBMIT into an idle fleet, dispatched
+    dispatch_p99_us: float
     admit_us: float  # CPU per request admitted
     bytes_per_request: float  # RSS per request held
     heartbeat_us: float
@@ -55,13 +60,14 @@ class Row:
     step_p99_ms: float
 
     def line(self) -> str:
-        return (f"| {self.engines:,} | {self.queued:,} | {self.admit_us:.1f} | {self.bytes_per_request:,.0f} | "
+        return (f"| {self.engines:,} | {self.queued:,} | {self.dispatch_p50_us:.1f} | {self.dispatch_p99_us:.1f} | "
+                f"{self.admit_us:.1f} | {self.bytes_per_request:,.0f} | "
                 f"{self.heartbeat_us:.1f} | {self.status_ms:.1f} | {self.request_us:.1f} | {self.step_p50_ms:.3f} | "
                 f"{self.step_p99_ms:.3f} |")
 
 
-HEADER = ("| engines | queued | admission us/request | memory bytes/request | heartbeat us | STATUS ms | "
-          "steady us/request | step p50 ms | step p99 ms |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| engines | queued | idle dispatch p50 us | idle dispatch p99 us | admission us/request | memory bytes/request | heartbeat us | STATUS ms | "
+          "steady us/request | step p50 ms | step p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def rss() -> int:
@@ -72,9 +78,24 @@ def rss() -> int:
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
+def idle_dispatch(engines: int, requests: int, clock: str) -> tuple[float, float]:
+    """p50 and p99 of one SUBMIT, each its own input, dispatched into a fleet whose engines all have room (seconds);
+    the first, which files every engine that registered, is left out."""
+    replay = Replay(engines, 0, 1, capacity=CAPACITY, acks=False, clock=CLOCKS[clock])
+    times: list[float] = []
+    for _ in range(min(requests, engines * CAPACITY) + 1):
+        (frame,) = replay.submits(1, [])
+        began = replay.seconds
+        replay.coordinator(CLIENT, frame)
+        times.append(replay.seconds - began)
+    times = sorted(times[1:])
+    return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))]
+
+
 def measure(engines: int, total: int, completions: int, step_outputs: int, clock: str = "cpu") -> Row:
     """One size: ``engines`` engines, ``total`` requests submitted, ``completions`` finished in the steady state;
     ``clock``: ``cpu`` (the coordinator's thread's CPU time) or ``wall``."""
+    dispatch_p50, dispatch_p99 = idle_dispatch(engines, 2_000, clock)
     replay = Replay(engines, 0, step_outputs, capacity=CAPACITY, acks=False, clock=CLOCKS[clock])
     core = replay.core
     gc.collect()
@@ -120,7 +141,7 @@ def measure(engines: int, total: int, completions: int, step_outputs: int, clock
             done += len(ids)
         replay.inbox.pop(CLIENT, None)  # the results: the client's to read, not timed
     steps.sort()
-    return Row(engines, queued, admit * 1e6, per_request, heartbeat * 1e6, status * 1e3, replay.seconds / done * 1e6,
+    return Row(engines, queued, dispatch_p50 * 1e6, dispatch_p99 * 1e6, admit * 1e6, per_request, heartbeat * 1e6, status * 1e3, replay.seconds / done * 1e6,
                statistics.median(steps) * 1e3, steps[min(len(steps) - 1, int(len(steps) * 0.99))] * 1e3)
 
 

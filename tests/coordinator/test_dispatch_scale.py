@@ -58,3 +58,25 @@ def test_a_full_fleet_is_looked_at_only_where_room_appears(monkeypatch):
     assert len(set(looked)) == 51
     assert [rid.split("/")[1] for rid in sent_to(h, b"engine-new")] == ["r102", "r103"]
     assert newcomer in core.engines
+
+
+def test_a_request_into_an_idle_fleet_is_placed_without_a_scan(monkeypatch):
+    """least_loaded takes the least loaded engine off the candidates' heap: each SUBMIT into an idle fleet of 300
+    engines reads the load of the one engine it goes to (filed again under its new load), not of all 300 (before:
+    every engine, twice), and the requests still spread least-loaded first, ties to the smaller group."""
+    h = CoreHarness(dispatch_factor=1.0, heartbeat_timeout=1e6, stall_timeout=1e6)
+    h.client(C)
+    engines = [h.engine(b"engine-%d" % i, group=i, capacity=2) for i in range(300)]
+    submit(h, "first")  # the first pass after the registrations files every engine
+    looked: list[str] = []
+    monkeypatch.setattr(EngineRecord, "load", property(lambda engine: (looked.append(engine.engine_id),
+                                                                       len(engine.assigned))[1]))
+    placed = []
+    for i in range(400):
+        looked.clear()
+        submit(h, f"r{i}")
+        assert len(looked) <= 2, f"SUBMIT {i} read the load of {len(set(looked))} engines"
+        placed.append(h.core.flow.table.get(f"c1/r{i}").engine_id)
+    # engine 0 took "first"; then one request per engine in group order, then the second round
+    assert placed[:299] == engines[1:300]
+    assert placed[299:] == engines[:101]

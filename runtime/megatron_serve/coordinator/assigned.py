@@ -19,8 +19,8 @@ from ..wire.tenancy import CLASSES, STANDARD_BAND
 class Assigned:
     """Request keys of one engine, with the band each was dispatched in (a set's interface, plus :meth:`held`).
 
-    Once dispatch has seen it, a request that leaves adds the engine's id to the core's set of engines that gained
-    room (:meth:`report_to`): a dispatch into a full fleet looks at those only, not at every engine."""
+    Once dispatch has seen it, a request that leaves adds the engine's id to the set of engines whose load moved
+    (:meth:`report_to`, :mod:`.candidates`): dispatch files those again, not every engine."""
 
     __slots__ = ("_bands", "_counts", "_freed", "_owner")
 

@@ -33,6 +33,7 @@ from .placement import DEFAULT_SESSION_TTL_S, Sessions
 from .routing import RoutingPolicy, make_routing_policy
 from ..wire.security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness
+from .candidates import Candidates
 from .droplog import DropLog
 from .effects import Effect, Outbox, Probe
 from .flow import RequestFlow
@@ -119,8 +120,10 @@ class CoordinatorCore:
         self.verbs = VerbRunner(self)
         self.liveness = liveness.Liveness()
         self.registrations = 0
-        self.dispatch_blocked: tuple[object, ...] | None = None  # dispatch found no room then (dispatch.room_key)
-        self.freed: set[str] = set()  # engines a request left since (their Assigned reports them: dispatch)
+        # the engines that may take a request now, in least-loaded order (dispatch files them)
+        self.candidates = Candidates(lambda engine: max(1, int(engine.capacity * self.dispatch_factor)),
+                                     lambda engine: not (engine.draining or engine.stopping)
+                                     and self.weights.served_by(engine))
         self._advance = False
 
     # ------------------------------------------------------------------ inputs
@@ -260,10 +263,13 @@ class CoordinatorCore:
 
     def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
         engine.last_heartbeat = time.time()
+        blocks = engine.kv_blocks_free, engine.kv_blocks_total
         for name in ("running", "waiting", "kv_blocks_free", "kv_blocks_total", "cached_tokens", "computed_tokens"):
             value = getattr(body, name)
             if value is not None:
                 setattr(engine, name, value)
+        if (engine.kv_blocks_free, engine.kv_blocks_total) != blocks:
+            self.candidates.blocks_changed(engine)
         if body.state:
             engine.state = body.state
         if body.stats is not None:

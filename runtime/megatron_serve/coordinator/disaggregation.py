@@ -64,10 +64,7 @@ class Handoffs:
         the others for the rest; all of them where the fleet has no engine of that part registered (and in a
         colocated fleet, at the cost of one comparison). ``members``: every registered engine, whose parts are
         read again only when ``registrations`` or their number changed."""
-        key = (registrations, len(members))
-        if key != self._roles_key:
-            self._roles_key, self._roles = key, frozenset(kv_role(engine) for engine in members.values())
-        registered = self._roles
+        registered = self._registered(members, registrations)
         if registered <= {BOTH}:
             return engines
         if record.generated_tokens or record.request_id in self.blocks:
@@ -75,6 +72,17 @@ class Handoffs:
         else:
             wanted = (PRODUCER,) if PRODUCER in registered else (CONSUMER, BOTH)
         return [engine for engine in engines if kv_role(engine) in wanted]
+
+    def colocated(self, members: Mapping[str, EngineRecord], registrations: int) -> bool:
+        """Whether every registered engine both prefills and decodes (:meth:`candidates` keeps every engine)."""
+        return self._registered(members, registrations) <= {BOTH}
+
+    def _registered(self, members: Mapping[str, EngineRecord], registrations: int) -> frozenset[str]:
+        """The parts the registered engines play, read again only when ``registrations`` or their number changed."""
+        key = (registrations, len(members))
+        if key != self._roles_key:
+            self._roles_key, self._roles = key, frozenset(kv_role(engine) for engine in members.values())
+        return self._roles
 
     def submit(self, record: RequestRecord, engine: EngineRecord,
                body: EngineSubmitOut) -> tuple[list[KVBlocks], EngineSubmitOut]:

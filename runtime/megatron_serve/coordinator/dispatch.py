@@ -27,17 +27,16 @@ from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from ..wire.tenancy import WORST_BAND, band_of
 from .core_view import CoreView
+from .candidates import Candidates
 from .peers import EngineRecord
 from .requests import Phase, RequestRecord
-from .routing import adapter_candidates
+from .routing import EngineView, adapter_candidates
 
 
 class Dispatching(CoreView, Protocol):
-    """The core as dispatch sees it: its view, and what the fleet looked like when dispatch last found no engine with
-    room (:func:`room_key`)."""
+    """The core as dispatch sees it: its view, and the engines that may take a request now (:mod:`.candidates`)."""
 
-    dispatch_blocked: tuple[object, ...] | None
-    freed: set[str]  # engines a request left since the last pass (their Assigned report here)
+    candidates: Candidates
     registrations: int
 
 
@@ -61,42 +60,27 @@ def wire_record(record: RequestRecord) -> EngineRequestOut:
 def dispatch(core: Dispatching, now: float) -> None:
     """Send queued requests to engines, in queue order, until the queue or the engines' room runs out.
 
-    Once a pass found no engine with room, the next looks only at the engines a request left since (each engine's
-    :class:`~.assigned.Assigned` reports to ``core.freed``), until an engine registers or the fleet's weights move
-    (:func:`room_key`): a heartbeat, a SUBMIT into a full fleet or a step of one engine costs what changed, not a scan
-    of every engine (2.7 ms per heartbeat at 1,000 engines). Tenants' requests always look at every engine (a better
-    band finds room that a worse one does not)."""
+    The candidates are filed again only where something changed since the last pass (:mod:`.candidates`): a
+    heartbeat, a SUBMIT into a full fleet or a step of one engine costs what changed, not a scan of every engine,
+    and ``least_loaded`` takes the least loaded candidate off their heap. A request that needs the candidates listed
+    (a session's, a LoRA adapter's, a disaggregated fleet's, another policy's) lists them. Tenants' requests of a
+    better band look at every engine when no candidate is left (a better band finds room that a worse one does not).
+    """
     if core.state is not FleetState.RUNNING or not core.engines:
         return
-    factor = core.dispatch_factor
-
-    def room(engine: EngineRecord) -> bool:
-        return engine.load < max(1, int(engine.capacity * factor))
-
-    def usable(engine: EngineRecord) -> bool:
-        return not engine.draining and not engine.stopping and core.weights.served_by(engine)
-
     core.sessions.expire(now)
     table = core.flow.table
     if not table.count(Phase.QUEUED):
         return
-    key = room_key(core)
-    if core.dispatch_blocked == key and not table.fair:
-        look = [engine for key_ in core.freed if (engine := core.engines.get(key_)) is not None]
-    else:
-        look = list(core.engines.values())
-        for engine in look:
-            engine.assigned.report_to(core.freed, engine.engine_id)
-    core.freed.clear()
-    candidates = [e for e in look if room(e) and usable(e)]
-    core.dispatch_blocked = None
+    candidates = core.candidates
+    candidates.refresh(core.engines, room_key(core))
     if not candidates and not table.fair:
-        core.dispatch_blocked = key  # every engine full: the next pass looks at those a request leaves
         return
+    colocated = core.flow.handoffs.colocated(core.engines, core.registrations)
     while (record := table.next_queued(now)) is not None:
         if record.pinned is not None:
             engine = core.engines.get(record.pinned)
-            if engine is not None and not usable(engine):
+            if engine is not None and not candidates.usable(engine):
                 return  # draining (it will leave: then it fails) or loading the fleet's weights: held
             band = table.head_band
             table.pop_queued()
@@ -104,34 +88,39 @@ def dispatch(core: Dispatching, now: float) -> None:
                 core.flow.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
             else:
                 send(core, record, engine, now, band)
-                if not room(engine) and engine in candidates:
-                    candidates.remove(engine)
             continue
-        pool = candidates
-        if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
-            if not table.fair:
-                core.dispatch_blocked = key  # the last engine with room just filled
-                return
-            band = table.head_band
-            pool = [] if band is None or band >= WORST_BAND else [e for e in look if usable(e) and
-                                                                   band_room(core, e, band)]
-            if not pool:
-                return
-        engines = core.flow.handoffs.candidates(core.engines, core.registrations, record, pool)  # prefill or decode (disaggregation)
-        session = record.session_id
-        chosen = core.sessions.choose(session, engines, now) if session is not None and engines else None
-        if chosen is None:
-            chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
+        chosen = _choose(core, record, colocated, now)
         if chosen is None:
             return
         engine = core.engines[chosen.engine_id]
-        if session is not None:
-            core.sessions.bind(session, engine.engine_id, now)
+        if record.session_id is not None:
+            core.sessions.bind(record.session_id, engine.engine_id, now)
         band = table.head_band
         table.pop_queued()
         send(core, record, engine, now, band)
-        if not room(engine) and engine in candidates:
-            candidates.remove(engine)
+
+
+def _choose(core: Dispatching, record: RequestRecord, colocated: bool, now: float) -> EngineView | None:
+    """The engine for ``record`` (None: hold it): the least loaded candidate straight off the heap when nothing but
+    load decides, else what placement or the policy choose among the candidates listed."""
+    candidates, table = core.candidates, core.flow.table
+    if (core.policy.by_load_alone and colocated and record.session_id is None and record.params.lora_name is None
+            and (chosen := candidates.least()) is not None):
+        return chosen
+    pool: list[EngineRecord] = candidates.listed(core.engines.values()) if candidates else []
+    if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
+        band = table.head_band
+        if not table.fair or band is None or band >= WORST_BAND:
+            return None
+        pool = [e for e in core.engines.values() if candidates.usable(e) and band_room(core, e, band)]
+        if not pool:
+            return None
+    engines = core.flow.handoffs.candidates(core.engines, core.registrations, record, pool)  # prefill or decode
+    session = record.session_id
+    chosen = core.sessions.choose(session, engines, now) if session is not None and engines else None
+    if chosen is None:
+        chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
+    return chosen
 
 
 def room_key(core: Dispatching) -> tuple[object, ...]:
@@ -154,9 +143,10 @@ def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: fl
     for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
         core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
     core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
+    core.candidates.file(engine)  # its load moved: filed under it, or out when it is full
 
 
-def band_room(core: CoreView, engine: EngineRecord, band: int) -> bool:
+def band_room(core: Dispatching, engine: EngineRecord, band: int) -> bool:
     """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
     ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
-    return engine.assigned.held(band) < max(1, int(engine.capacity * core.dispatch_factor))
+    return engine.assigned.held(band) < core.candidates.limit(engine)

@@ -40,6 +40,7 @@ class KVAware:
     """Cheapest engine by KV blocks to compute plus blocks in use, from the KV index (see the module docstring)."""
 
     name = "kv_aware"
+    by_load_alone = False
 
     def __init__(self, index: KVIndex, *, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
                  temperature: float = DEFAULT_TEMPERATURE, max_load_gap: int = DEFAULT_MAX_LOAD_GAP,

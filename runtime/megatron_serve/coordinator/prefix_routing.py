@@ -80,6 +80,7 @@ class PrefixAffinity:
     """Longest routed prefix chain wins, within a load bound (see the module docstring)."""
 
     name = "prefix_affinity"
+    by_load_alone = False
 
     def __init__(
         self,

@@ -76,6 +76,9 @@ class RequestView(Protocol):
 
 class RoutingPolicy(Protocol):
     name: str
+    #: Whether it always chooses the candidate of the least :func:`load_key`: dispatch then answers from the
+    #: candidates' own load order (:mod:`.candidates`) without listing them.
+    by_load_alone: bool
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         """Return the engine to run ``request`` (``candidates`` is never empty), or ``None`` to hold it."""
@@ -90,17 +93,21 @@ class RoutingPolicy(Protocol):
         ...
 
 
+def load_key(engine: EngineView) -> tuple[float, float, int]:
+    """How loaded an engine is, least first: in-flight requests relative to capacity, then fewer free KV blocks
+    (as a fraction), then the larger group id."""
+    free_fraction = engine.kv_blocks_free / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
+    return engine.load / max(engine.capacity, 1), -free_fraction, engine.group
+
+
 class LeastLoaded:
     """Fewest in-flight requests relative to capacity; ties go to more free KV blocks, then group id."""
 
     name = "least_loaded"
+    by_load_alone = True
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
-        def key(engine: EngineView) -> tuple[float, float, int]:
-            free_fraction = engine.kv_blocks_free / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
-            return (engine.load / max(engine.capacity, 1), -free_fraction, engine.group)
-
-        return min(candidates, key=key)
+        return min(candidates, key=load_key)
 
     def forget(self, engine_id: str) -> None:
         pass
@@ -113,6 +120,7 @@ class RoundRobin:
     """Cycle through engines in (group, data-parallel rank) order, skipping those that cannot take work now."""
 
     name = "round_robin"
+    by_load_alone = False
 
     def __init__(self) -> None:
         self._last: tuple[int, int] | None = None
