@@ -1,16 +1,21 @@
-"""Tenants on a whole stack (`megatron-serve run`: HTTP server, coordinator, engine; docs/tenants.md), three figures:
+"""Tenants on a whole stack (`megatron-serve run`: HTTP server, coordinator, engine; docs/tenants.md), four figures:
 
 1. **flood**: tenant `bulk` keeps 4x the fleet's request slots of long streamed completions in flight; tenant
    `chat` sends short requests one after another. `chat`'s TTFT p50/p99 alone, under the flood with `bulk`
    `sheddable` and `chat` `standard`, and (the control) under the flood with both `standard`; and `bulk`'s tokens/s
    meanwhile (it must progress). Shedding is off here (`--shed-* 0`): the figure is the scheduling's.
-2. **weights**: tenants of weight 1 and 3 in one class, each with twice the slots in flight; the tokens each was
+2. **crowd**: a hostile flood of ``--connections`` (200) streams of tenant ``bulk``, from a process of its own, each
+   sent again at once when it ends or is refused; tenant ``chat`` (``critical``) sends short requests one after
+   another. ``chat``'s TTFT p50/p99 alone and under the flood: ``bulk`` ``sheddable`` with shedding on (its refusals
+   come straight back) and off, ``bulk`` ``standard``, and the control with both ``standard``.
+3. **weights**: tenants of weight 1 and 3 in one class, each with twice the slots in flight; the tokens each was
    streamed over the window, and their ratio.
-3. **overhead**: no tenants, 64 streams (`benchmarks/serving.py`'s workload): CPU seconds of the server, the
+4. **overhead**: no tenants, 64 streams (`benchmarks/serving.py`'s workload): CPU seconds of the server, the
    coordinator and the engine per request, this tree against ``--baseline DIR`` (a checkout of the tree before
    tenants; its ``runtime`` goes first on the stack's ``PYTHONPATH``), alternated ``--repeats`` times.
 
-    python benchmarks/tenants.py                                  # all three on a new tiny model
+    python benchmarks/tenants.py                                  # flood, weights, overhead on a new tiny model
+    python benchmarks/tenants.py --only crowd --requests 100      # the 200-connection flood
     python benchmarks/tenants.py --only overhead --baseline /tmp/before --repeats 3
 """
 
@@ -80,6 +85,37 @@ async def closed_loop(url: str, key: str, concurrency: int, tokens: int, stop: a
         await asyncio.gather(*workers, return_exceptions=True)
 
 
+def crowd_process(url: str, key: str, connections: int, tokens: int, stop, counted, refused) -> None:
+    """A hostile flood in a process of its own (its event loop never delays the measured client's): ``connections``
+    streams of ``key`` until ``stop`` is set, each sent again at once when it ends or is refused (a 503 or 429 is
+    counted in ``refused``, and not waited out). ``counted``: the tokens streamed."""
+    async def flood() -> None:
+        work = prompts(4096, 32, 11)
+        async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(limit=connections + 2)) as http:
+            async def worker(index: int) -> None:
+                turn, local = index, {}
+                while not stop.is_set():
+                    try:
+                        await stream(http, key, work[turn % len(work)], tokens, local)
+                    except RuntimeError:
+                        with refused.get_lock():
+                            refused.value += 1
+                        await asyncio.sleep(0)
+                    with counted.get_lock():
+                        counted.value += local.pop(key, 0)
+                    turn += connections
+
+            workers = [asyncio.ensure_future(worker(i)) for i in range(connections)]
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    asyncio.run(flood())
+
+
 async def chat_ttfts(url: str, count: int) -> list[float]:
     async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600)) as http:
         return [await stream(http, "key-chat", prompt, 8) for prompt in prompts(count, 32, 7)]
@@ -142,6 +178,50 @@ def run_flood(model: str, requests: int) -> None:
                                ("flood, both standard (control)", same, same_rate)):
         print(f"| {name} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
               f"{percentile(values, 99) / p99:.2f} | {'' if rate is None else f'{rate:.0f}'} |")
+
+
+def run_crowd(model: str, connections: int, requests: int) -> None:
+    """``chat`` (``critical``) alone, then under ``connections`` streams of ``bulk``: ``sheddable`` with shedding on
+    (refused floods come straight back), ``sheddable`` and ``standard`` with shedding off, and the control where
+    both are ``standard``."""
+    import multiprocessing  # noqa: PLC0415
+
+    context = multiprocessing.get_context("spawn")
+
+    async def under_crowd(url: str, _pid: int) -> tuple[list[float], float, int]:
+        stop, counted, refused = context.Event(), context.Value("q", 0), context.Value("q", 0)
+        crowd = context.Process(target=crowd_process, args=(url, "key-bulk", connections, 256, stop, counted, refused))
+        crowd.start()
+        await asyncio.sleep(5.0)  # every connection sent, every slot and queue full
+        before, started = counted.value, time.perf_counter()
+        ttfts = await chat_ttfts(url, requests)
+        rate = (counted.value - before) / (time.perf_counter() - started)
+        stop.set()
+        crowd.join(60)
+        return ttfts, rate, refused.value
+
+    base = f"--max-requests {SLOTS}"
+    rows: list[tuple[str, list[float], float | None, int | None]] = []
+    docs = {name: key_file(document({"bulk": {"class": bulk}, "chat": {"class": chat}}))
+            for name, bulk, chat in (("sheddable", "sheddable", "critical"), ("standard", "standard", "critical"),
+                                     ("control", "standard", "standard"))}
+    alone = with_stack(model, f"{base} --api-key-file {docs['sheddable']}", lambda url, _: chat_ttfts(url, requests))
+    rows.append(("alone", alone, None, None))
+    for name, doc, shedding in (("bulk sheddable, shedding on", docs["sheddable"], ""),
+                                ("bulk sheddable, shedding off", docs["sheddable"], NO_SHEDDING),
+                                ("bulk standard", docs["standard"], NO_SHEDDING),
+                                ("control: both standard", docs["control"], NO_SHEDDING)):
+        ttfts, rate, refused = with_stack(model, f"{base} {shedding} --api-key-file {doc}", under_crowd)
+        rows.append((name, ttfts, rate, refused))
+    print(f"\ncrowd: bulk keeps {connections} connections of 256-token streams ({SLOTS} slots), chat (critical; "
+          f"standard in the control): {requests} requests of 8 tokens, one after another")
+    print("| chat's TTFT | p50 (s) | p99 (s) | p50 / alone | p99 / alone | bulk tokens/s | bulk refused |")
+    print("|---|---|---|---|---|---|---|")
+    p50, p99 = percentile(alone, 50), percentile(alone, 99)
+    for name, values, rate, refused in rows:
+        print(f"| {name} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
+              f"{percentile(values, 50) / p50:.2f} | {percentile(values, 99) / p99:.2f} | "
+              f"{'' if rate is None else f'{rate:.0f}'} | {'' if refused is None else refused} |")
 
 
 def run_weights(model: str, seconds: float, warmup: float = 10.0) -> None:
@@ -209,8 +289,9 @@ def run_overhead(model: str, baseline: str | None, repeats: int, requests: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: a new tiny model)")
-    parser.add_argument("--only", choices=("flood", "weights", "overhead"), action="append")
+    parser.add_argument("--only", choices=("flood", "crowd", "weights", "overhead"), action="append")
     parser.add_argument("--requests", type=int, default=40, help="chat's requests per flood level")
+    parser.add_argument("--connections", type=int, default=200, help="the crowd's flood connections")
     parser.add_argument("--seconds", type=float, default=20.0, help="the weights' window")
     parser.add_argument("--baseline", help="a checkout of the tree before tenants, for the overhead's control")
     parser.add_argument("--repeats", type=int, default=2)
@@ -226,6 +307,8 @@ def main() -> None:
     only = set(args.only or ("flood", "weights", "overhead"))
     if "flood" in only:
         run_flood(model, args.requests)
+    if "crowd" in only:
+        run_crowd(model, args.connections, args.requests)
     if "weights" in only:
         run_weights(model, args.seconds)
     if "overhead" in only:

@@ -58,6 +58,8 @@ async def _answer(ctx: ServerContext, handler_type: Handler, request: Request) -
         return client_closed()
 
     header_id = request_id_header(request)  # checked before any work: a bad one is a 400
+    if ctx.tenancy is not None:  # a sheddable request into a saturated fleet: its 503 before its body is parsed
+        await ctx.tenancy.shed_at_door()
 
     async def work() -> Any:
         await ctx.monitor.wait_first_poll()

@@ -6,7 +6,8 @@ fairness header, and the key check (:mod:`.api_key`) notes the key's entry, both
 context variable, so every route that submits sees it without passing it along). :meth:`Tenancy.admit` runs when
 the request's engine requests are submitted (``ServerContext.submit``), on every generation route alike:
 
-* a ``sheddable`` request while the fleet is saturated (:class:`Saturation`) gets a 503 before it costs anything;
+* a ``sheddable`` request while the fleet is saturated (:class:`Saturation`) gets a 503 before it costs anything:
+  at the door, before its body is parsed (:meth:`Tenancy.shed_at_door`), at the pace of :mod:`.refusal_pace`;
 * over a limit, a 429 whose ``Retry-After`` is when the limit has room for it again (a request honouring it
   succeeds, unless others of its tenant used the room first); a request that can never fit a limit is a 400. Every
   limit counts engine requests (prompts x ``n``), what the fleet runs: one HTTP request of 160,000 of them counted
@@ -22,6 +23,7 @@ that they hold for the whole server.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import math
 import time
@@ -34,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..wire.tenancy import MAX_TENANT_NAME
 from .errors import APIError
 from .http_layer import HTTPLayer
+from .refusal_pace import RefusalPace
 from .tenant_budgets import LocalBudgets, SharedBudgets, TenantState
 
 if TYPE_CHECKING:
@@ -172,6 +175,7 @@ class Tenancy:
         self.clock = clock
         self.saturation = Saturation(options.shedding, monitor, pending)
         self.retry_after = options.shedding.retry_after
+        self.pace = RefusalPace()  # how fast a tenant's shed requests are answered
         # the tenants' budgets: this process's own, or shared by the processes of --api-server-count
         self.budgets = LocalBudgets() if metrics.shared_dir is None else SharedBudgets(metrics.shared_dir)
         self.labels: set[str] = set(table.tenants)
@@ -205,10 +209,8 @@ class Tenancy:
         labels = (label, tenant.priority_class)
         if tenant.priority_class == "sheddable":
             reason = self.saturation.reason()
-            if reason is not None:
-                self.metrics.count_tenant_refusal(labels, "saturated")
-                raise APIError(503, f"the fleet is saturated ({reason}): sheddable requests are refused until it "
-                                    "has room", code="fleet_saturated", headers={"Retry-After": str(self.retry_after)})
+            if reason is not None:  # saturated since the request passed the door (:meth:`shed_at_door`)
+                raise self._shed(labels, reason)
         limited = tenant.limits.any
         if limited:
             with self.budgets.hold(tenant, self.clock()) as state:
@@ -217,6 +219,26 @@ class Tenancy:
         for job in jobs:
             job.params = _tagged(job.params, tag)
         return Ticket(self, tenant, limited, label, len(jobs))
+
+    async def shed_at_door(self) -> None:
+        """Refuse the current request, before its body is parsed, when it is ``sheddable`` and the fleet saturated:
+        its 503, answered once its tenant's refusal pace allows (:mod:`.refusal_pace`), so that a flood that sends
+        its refusals straight back cannot take the event loop that other tenants' tokens pass through."""
+        tenant = self.tenant()
+        if tenant.priority_class != "sheddable":
+            return
+        reason = self.saturation.reason()
+        if reason is None:
+            return
+        hold = self.pace.hold(tenant.name)
+        if hold:
+            await asyncio.sleep(hold)
+        raise self._shed((self.label(tenant), tenant.priority_class), reason)
+
+    def _shed(self, labels: tuple[str, str], reason: str) -> APIError:
+        self.metrics.count_tenant_refusal(labels, "saturated")
+        return APIError(503, f"the fleet is saturated ({reason}): sheddable requests are refused until it has room",
+                        code="fleet_saturated", headers={"Retry-After": str(self.retry_after)})
 
     def _reserve(self, tenant: Tenant, state: TenantState, labels: tuple[str, str], jobs: list["EngineJob"]) -> None:
         """Take the request's cost from ``state``, or raise the refusal naming the limit it is over."""
