@@ -371,16 +371,17 @@ def test_no_engine_module_accumulates_per_token_lists():
 
 #: The modules that may name several sampling parameters side by side, and why: the table itself, the typed struct it
 #: describes (held equal to it by tests/wire/test_sampling_fields.py), the sampler's filters (one op per input, named
-#: by their arguments), TRL's request body (TRL's own protocol and defaults: a new parameter reaches it through its
-#: ``generation_kwargs``, which the table reads) and the ``generate`` command's flags (three of vLLM's, not a listing).
+#: by their arguments), TRL's defaults (TRL's own protocol: the names and TRL's values, the types the table's; a new
+#: parameter reaches it through its ``generation_kwargs``, which the table reads) and the ``generate`` command's flags
+#: (three of vLLM's, not a listing).
 SAMPLING_LISTINGS = {
     "megatron_serve.wire.sampling_fields": "the table",
     "megatron_serve.engine.sampling.sampler": "the filters' arguments",
-    "megatron_serve.server.rl.trl_generate": "TRL's GenerateRequest fields with TRL's defaults",
+    "megatron_serve.server.rl.trl_generate": "TRL's GenerateRequest field names with TRL's defaults",
     "megatron_serve.commands.generate": "the command's --temperature, --top-p and --top-k",
 }
 #: The modules that read the table rather than name the parameters.
-SAMPLING_TABLE_READERS = ("server.models", "server.translate", "server.rl.vllm_sampling", "server.rl.sglang_generate",
+SAMPLING_TABLE_READERS = ("server.models", "server.translate", "server.rl.vllm_sampling", "server.rl.sampling_bodies",
                           "generation_config", "engine.sampling.sampling_state", "engine.sampling.logprob_parity", "wire.sampling_params")
 
 

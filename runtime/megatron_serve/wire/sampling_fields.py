@@ -9,8 +9,8 @@ key whose value becomes its default, and the per-slot input the sampler reads it
   checks every row's range and type;
 * the HTTP server builds the request fields of the copied rows from the table (``server/models.py``; an
   extension's description is listed with the others in ``server/extensions.py``), copies them into
-  ``SamplingParams`` in a loop (``server/translate.py``) and speaks vLLM's and SGLang's names through it
-  (``server/rl/``);
+  ``SamplingParams`` in a loop (``server/translate.py``), and builds the sampling fields of vLLM's, SGLang's and TRL's
+  bodies from the rows with their names (``server/rl/sampling_bodies.py``; verl's client renames by them);
 * ``generation_config.py`` takes the defaults of the rows with a ``generation_config`` key;
 * the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling/sampling_state.py``), and the parity checker
   scores a request again with its ``FILTER`` rows (``engine/sampling/logprob_parity.py``).
@@ -100,10 +100,18 @@ class SamplingField:
     sampler: str | None = None  # the per-slot vector the engine keeps of it (``SamplingState.vector``)
     stage: str | None = None  # FILTER, PENALTY or CONTROL: how the engine applies it (None: no logits op)
     annotation: str | None = None  # SamplingParams' type, where ``kind`` (or None) does not say it: a list, a map...
+    # the type vLLM's and SGLang's sampling bodies (and the HTTP field) take it as, where not ``kind``: vLLM's
+    # ``logprobs`` is a count, ``stop`` a string or a list (``server/rl/sampling_bodies.py`` builds the bodies)
+    body: Any = None
 
     @property
     def request_bounds(self) -> Bounds | None:
         return self.http_bounds if self.http_bounds is not None else self.bounds
+
+    @property
+    def body_type(self) -> Any:
+        """The type a framework's sampling body takes this field as."""
+        return self.kind if self.body is None else self.body
 
 
 def _float(value: Any) -> float:
@@ -133,13 +141,14 @@ FIELDS: tuple[SamplingField, ...] = (
                   sglang="top_p", generation_config="top_p", sampler="top_p", stage=FILTER),
     SamplingField("num_tokens_to_generate", int, 16, Bounds(1), "max_tokens", vllm="max_tokens",
                   sglang="max_new_tokens", generation_config="max_new_tokens"),
-    SamplingField("stop_words", object, [], http="stop", vllm="stop", sglang="stop", annotation="list[str]"),
+    SamplingField("stop_words", object, [], http="stop", vllm="stop", sglang="stop", annotation="list[str]",
+                  body=str | list[str]),
     # the tokenizer's EOS ids, filled in by the engine
     SamplingField("termination_id", object, None, annotation="int | list[int] | None"),
     SamplingField("ignore_eos", bool, False, None, "ignore_eos", True,
                   http_doc="keep generating past end-of-sequence tokens" + _VLLM, extension=True, vllm="ignore_eos",
                   sglang="ignore_eos"),
-    SamplingField("return_log_probs", bool, False, http="logprobs", vllm="logprobs"),
+    SamplingField("return_log_probs", bool, False, http="logprobs", vllm="logprobs", body=int),
     SamplingField("top_n_logprobs", int, 0, Bounds(0, MAX_TOP_N_LOGPROBS), "top_logprobs", vllm="logprobs"),
     SamplingField("seed", int, None, Bounds(0), "seed", True, _engine_seed, Bounds(SEED_MIN, SEED_MAX),
                   "makes sampling repeatable", vllm="seed", sglang="sampling_seed"),
@@ -155,7 +164,8 @@ FIELDS: tuple[SamplingField, ...] = (
                   extension=True, vllm="repetition_penalty", sglang="repetition_penalty",
                   generation_config="repetition_penalty", sampler="repetition", stage=PENALTY),
     SamplingField("logit_bias", object, None, http="logit_bias", vllm="logit_bias", sglang="logit_bias",
-                  stage=CONTROL, annotation="dict[int, float] | list[tuple[int, float]] | None"),
+                  stage=CONTROL, annotation="dict[int, float] | list[tuple[int, float]] | None",
+                  body=dict[str, float]),
     SamplingField("min_p", float, 0.0, Bounds(0.0, 1.0), "min_p", True, _float,
                   http_doc="drop tokens less likely than min_p times the most likely one; 0 = off" + _VLLM,
                   extension=True, vllm="min_p", sglang="min_p", generation_config="min_p", sampler="min_p",
@@ -164,10 +174,10 @@ FIELDS: tuple[SamplingField, ...] = (
                   http_doc="no end-of-sequence token, stop token or stop string before this many tokens" + _VLLM,
                   extension=True, vllm="min_tokens", sglang="min_new_tokens", sampler="min_tokens", stage=CONTROL),
     SamplingField("stop_token_ids", list, [], http="stop_token_ids", vllm="stop_token_ids",
-                  sglang="stop_token_ids", annotation="list[int]"),
-    SamplingField("return_prompt_log_probs", bool, False, http="prompt_logprobs", vllm="prompt_logprobs"),
+                  sglang="stop_token_ids", annotation="list[int]", body=list[int]),
+    SamplingField("return_prompt_log_probs", bool, False, http="prompt_logprobs", vllm="prompt_logprobs", body=int),
     SamplingField("structured_outputs", object, None, http="structured_outputs", vllm="structured_outputs",
-                  annotation="StructuredOutputsParams | None"),
+                  annotation="StructuredOutputsParams | None", body=dict[str, Any]),
     SamplingField("return_routing_indices", bool, False, None, "return_routing_indices", True,
                   http_doc="mixture-of-experts models: add routing_indices (the experts every processed token of "
                            "prompt and answer was routed to) to each choice", extension=True),

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from megatron_serve.server.rl.sglang_generate import NEUTRAL, SglangGenerateRequest, SglangSamplingParams
+from megatron_serve.server.rl.trl_generate import TRL_DEFAULTS
+from megatron_serve.server.rl.vllm_sampling import VllmSamplingParams
 
 from ..conftest import surface
 from .tokens_app import MODEL, events, fake_http
@@ -127,3 +129,21 @@ def test_sglangs_generate_req_input_fields_are_each_served_or_refused_by_name(an
     assert "max_new_tokens" in sglang_sampling and "custom_params" in sglang_sampling
     assert set(SglangSamplingParams.model_fields) <= sglang_sampling, (
         set(SglangSamplingParams.model_fields) - sglang_sampling)
+
+
+def vllm_sampling_params_fields(anchors: Path) -> set[str]:
+    """vLLM's ``SamplingParams`` fields, read from its source (``sampling_params.py``)."""
+    tree = ast.parse((anchors / "vllm" / "sampling_params.py").read_text())
+    struct = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "SamplingParams")
+    return {node.target.id for node in struct.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def test_the_vllm_bodies_sampling_fields_are_vllms_own(anchors):
+    """``sampling_params`` of ``/inference/v1/generate`` and TRL's sampling fields (the table's rows by their vLLM names)
+    are fields of vLLM 0.33's ``SamplingParams``, except ``truncate_prompt_tokens``: a field of its earlier releases
+    (through 0.10), which clients pinned to them send and the table keeps."""
+    vllm = vllm_sampling_params_fields(anchors)
+    assert {"n", "max_tokens", "allowed_token_ids", "bad_words"} <= vllm  # vLLM 0.33's
+    assert set(VllmSamplingParams.model_fields) - vllm == {"truncate_prompt_tokens"}
+    assert set(TRL_DEFAULTS) <= vllm

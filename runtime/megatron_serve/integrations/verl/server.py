@@ -29,6 +29,11 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from ...fleet.lifeline import Lifeline
 from ...fleet.local_fleet import free_port
 from ...server.admin import ADMIN_KEY_ENV
+from ...server.rl.sampling_bodies import vllm_names
+
+#: verl's rollout config fields that are sampling parameters of the same (vLLM's) name: a request that leaves one out
+#: takes the config's, as verl's vLLM server does.
+CONFIG_DEFAULTS = ("repetition_penalty", "ignore_eos")
 
 #: verl's ``stop_reason`` for each finish reason of ``/inference/v1/generate`` (vLLM's mapping).
 STOP_REASONS = {"stop": "completed", "length": "completed", "abort": "aborted"}
@@ -136,17 +141,18 @@ class MegatronServeServer:
         return answer.json() if answer.content else None
 
     def _sampling(self, prompt_len: int, given: Mapping[str, Any]) -> dict[str, Any]:
-        """verl's sampling parameters as ``/inference/v1/generate`` takes them, with vLLM's server's defaults:
-        ``max_tokens`` (or SGLang's ``max_new_tokens``) else the response length that fits, ``logprobs`` a flag."""
-        params = dict(given)
-        limit = params.pop("max_tokens", params.pop("max_new_tokens", None))
+        """verl's sampling parameters as ``/inference/v1/generate`` takes them (SGLang's names turned into vLLM's, by
+        the sampling table), with vLLM's server's defaults: ``max_tokens`` else the response length that fits,
+        ``logprobs`` a flag, and :data:`CONFIG_DEFAULTS` from the rollout config."""
+        params = vllm_names(dict(given))
+        limit = params.pop("max_tokens", None)
         room = self.config.prompt_length + self.config.response_length - prompt_len
         if limit is None:
             limit = min(self.config.response_length, room)
         params["max_tokens"] = max(1, limit)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
-        params.setdefault("repetition_penalty", self.config.repetition_penalty)
-        params.setdefault("ignore_eos", self.config.ignore_eos)
+        for name in CONFIG_DEFAULTS:
+            params.setdefault(name, getattr(self.config, name))
         return {name: value for name, value in params.items() if value is not None}
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,

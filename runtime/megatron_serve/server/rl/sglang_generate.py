@@ -15,18 +15,18 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 from ...client.outputs import StreamPartial
-from ...wire.sampling_fields import COPIED, FIELDS
 from ...wire.request import DynamicInferenceRequest, FinishReason
 from ..chunks import event
 from ..errors import bad_request
 from ..streaming import stream_answer
+from .sampling_bodies import completions_names, sampling_body
 from .tokens import WeightVersionSpan, read_anchor, routed_experts_int32, version_spans, weight_version
 
 if TYPE_CHECKING:  # annotations only: the routes module builds the handlers (token_routes)
@@ -39,30 +39,23 @@ _JSON = msgspec.json.Encoder()
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-#: The copied sampling parameters (``wire/sampling_fields.py``) by SGLang's names (plain types: the completions
-#: request checks the ranges).
-SglangCopiedFields = create_model("SglangCopiedFields", **{row.sglang: (Optional[row.kind], None)  # type: ignore[misc]
-                                                           for row in COPIED if row.sglang is not None})
+#: SGLang's output constraints -> the completions field that sets each (SGLang's ``json_schema`` is a schema's text).
+CONSTRAINTS = {"json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
+#: The fields of SGLang's ``sampling_params`` that are no row of the sampling table: its output constraints, and
+#: two that are refused unless neutral.
+OWN: dict[str, tuple[Any, Any]] = {
+    **{name: (str | None, None) for name in CONSTRAINTS},
+    "spaces_between_special_tokens": (bool | None, Field(None, description="only false: special tokens' text is "
+                                                                           "joined without spaces here")),
+    "custom_params": (dict[str, Any] | None, Field(None, description="SGLang's parameters of a custom logit "
+                                                                     "processor: none here; empty or null only")),
+}
 
-
-class SglangSamplingParams(SglangCopiedFields):  # type: ignore[misc,valid-type]
-    """SGLang's ``sampling_params`` (the fields this server honours; the ranges are those of ``/v1/completions``)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    max_new_tokens: int | None = Field(None, description=f"default {DEFAULT_MAX_NEW_TOKENS} (SGLang's)")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    no_stop_trim: bool | None = Field(None, description="keep the stop string at the end of the text")
-    spaces_between_special_tokens: bool | None = Field(None, description="only false: special tokens' text is "
-                                                                         "joined without spaces here")
-    n: int | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    logit_bias: dict[str, float] | None = None
-    custom_params: dict[str, Any] | None = Field(None, description="SGLang's parameters of a custom logit processor: "
-                                                                   "none here; empty or null only")
+SglangSamplingParams = sampling_body(
+    "SglangSamplingParams", "sglang", """SGLang's ``sampling_params``: every row of the sampling table with an SGLang
+    name (the ranges are those of ``/v1/completions``), its output constraints, and two fields taken only neutral.""",
+    descriptions={"max_new_tokens": f"default {DEFAULT_MAX_NEW_TOKENS} (SGLang's)",
+                  "no_stop_trim": "keep the stop string at the end of the text"}, own=OWN)
 
 
 class SglangGenerateRequest(BaseModel):
@@ -190,9 +183,7 @@ class SglangGenerateAnswer(RootModel[SglangGenerateResponse | list[SglangGenerat
 
 
 #: SGLang's sampling names -> this server's (the others are the same): the table's, and the output constraints'.
-_RENAMES = {**{row.sglang: row.http for row in FIELDS if row.sglang is not None and row.http is not None
-               and row.sglang != row.http},
-            "json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
+_RENAMES = {**completions_names("sglang"), **CONSTRAINTS}
 #: This server's completions fields -> where they are in SGLang's body.
 NAMES = {"prompt": "input_ids", "logprobs": "top_logprobs_num", "prompt_logprobs": "logprob_start_len",
          "return_routing_indices": "return_routed_experts",

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ...wire.request import DynamicInferenceRequest
 from ..errors import bad_request
 from .tokens import anchor_error, listed, read_anchor
+from .sampling_bodies import sampling_body
 from .vllm_sampling import VllmSamplingParams, sampling_fields
 
 if TYPE_CHECKING:  # annotations only: the routes module builds the handlers (token_routes)
@@ -38,26 +39,23 @@ if TYPE_CHECKING:  # annotations only: the routes module builds the handlers (to
 _JSON = msgspec.json.Encoder()
 
 
-class _Sampling(BaseModel):
-    """The sampling fields of TRL's generation bodies, with TRL's defaults."""
+#: TRL's sampling fields (vLLM's names, so their types are the sampling table's) with TRL's defaults, in its order.
+TRL_DEFAULTS: dict[str, Any] = {"n": 1, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                "min_p": 0.0, "max_tokens": 16, "logprobs": 0}
+#: TRL's fields that are no row of the table: its output constraint, and more of vLLM's SamplingParams.
+TRL_OWN: dict[str, tuple[Any, Any]] = {
+    "structured_outputs_regex": (str | None, None),
+    "generation_kwargs": (dict[str, Any], Field(default_factory=dict, description="more of vLLM's SamplingParams "
+                                                                                  "(seed, stop, ...); they win")),
+}
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    n: int = 1
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int = 16
-    logprobs: int | None = Field(0, description="0: the sampled token's log prob; N: the N best and the sampled one; "
-                                                "null: none")
-    structured_outputs_regex: str | None = None
-    generation_kwargs: dict[str, Any] = Field(default_factory=dict, description="more of vLLM's SamplingParams "
-                                                                                "(seed, stop, ...); they win")
+_Sampling = sampling_body(
+    "_Sampling", "vllm", "The sampling fields of TRL's generation bodies, with TRL's defaults.",
+    defaults=TRL_DEFAULTS, nullable=frozenset({"logprobs"}), only=tuple(TRL_DEFAULTS), own=TRL_OWN,
+    descriptions={"logprobs": "0: the sampled token's log prob; N: the N best and the sampled one; null: none"})
 
 
-class TrlGenerateRequest(_Sampling):
+class TrlGenerateRequest(_Sampling):  # type: ignore[misc,valid-type]
     """Body of ``POST /generate/`` (TRL's ``GenerateRequest``)."""
 
     prompts: list[str] | list[list[int]]
@@ -65,7 +63,7 @@ class TrlGenerateRequest(_Sampling):
                                                         "protocol")
 
 
-class TrlChatRequest(_Sampling):
+class TrlChatRequest(_Sampling):  # type: ignore[misc,valid-type]
     """Body of ``POST /chat/`` (TRL's ``ChatRequest``): conversations, each rendered with the chat template."""
 
     messages: list[list[dict[str, Any]]]
@@ -107,10 +105,10 @@ class TrlSequenceLogprobsResponse(BaseModel):
     completion_lengths: list[int] | None = None
 
 
-def _sampling(body: _Sampling) -> tuple[dict[str, Any], dict[str, str]]:
+def _sampling(body: TrlGenerateRequest | TrlChatRequest) -> tuple[dict[str, Any], dict[str, str]]:
     """The completions fields of TRL's sampling fields (``generation_kwargs`` winning, as TRL merges them), and where
     each came from."""
-    given = body.model_dump(include=set(_Sampling.model_fields) - {"structured_outputs_regex", "generation_kwargs"})
+    given = body.model_dump(include=set(TRL_DEFAULTS))
     try:
         params = VllmSamplingParams.model_validate(body.generation_kwargs)
     except ValidationError as exc:

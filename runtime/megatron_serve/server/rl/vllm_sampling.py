@@ -1,57 +1,51 @@
 """vLLM's sampling parameters both ways: as the tokens-in routes take them (``/inference/v1/generate``'s
 ``sampling_params``, TRL's ``generation_kwargs``) and as ``render`` gives them back for a chat's resolved parameters.
 
-The parameters the server copies (temperature, top_k, min_p, the penalties, seed, ...) come from the table of
-sampling parameters under their vLLM names (``wire/sampling_fields.py``); the rest are read here.
+The body's sampling fields are the table's rows under their vLLM names (``wire/sampling_fields.py``, through
+:mod:`.sampling_bodies`); what this route adds (descriptions, vLLM's fields that change nothing in a tokens-out
+answer) is the data below.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, create_model
+from pydantic import Field
 
 from ...wire.sampling_fields import COPIED
 from ...wire.sampling_params import SamplingParams
 from ..errors import bad_request
+from .sampling_bodies import completions_names, sampling_body
 
-#: The copied sampling parameters vLLM's SamplingParams has, by their vLLM names (plain types: the completions
-#: request checks the ranges).
+#: The copied sampling parameters vLLM's SamplingParams has (what ``render`` gives back of them, by vLLM's names).
 _COPIED_VLLM = [row for row in COPIED if row.vllm is not None]
 #: vLLM name -> the completions field, where they differ.
-_COMPLETIONS_NAME = {row.vllm: row.http for row in _COPIED_VLLM if row.vllm != row.http}
-VllmCopiedFields = create_model("VllmCopiedFields", **{row.vllm: (Optional[row.kind], None)  # type: ignore[misc]
-                                                       for row in _COPIED_VLLM})
-
-
-class VllmSamplingParams(VllmCopiedFields):  # type: ignore[misc,valid-type]
-    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server honours; the ranges
-    are those of ``/v1/completions``)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    n: int | None = None
-    max_tokens: int | None = Field(None, description="default: the rest of the context window (vLLM's)")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: int | None = Field(None, description="log probs of each generated token: the sampled one and this many "
-                                                    "others, listed as token_id:N")
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
-    structured_outputs: dict[str, Any] | None = None
+_COMPLETIONS_NAME = completions_names("vllm")
+#: vLLM's fields that this route describes further (its defaults are the server's, not vLLM's class's).
+DESCRIPTIONS = {
+    "max_tokens": "default: the rest of the context window (vLLM's)",
+    "logprobs": "log probs of each generated token: the sampled one and this many others, listed as token_id:N",
+}
+#: vLLM's fields that change nothing in a tokens-out answer, and prime-rl's logits-processor arguments.
+NO_EFFECT: dict[str, tuple[Any, Any]] = {
     # How vLLM makes and keeps its outputs: a tokens-out answer is the same whichever is chosen
-    output_kind: Literal[0, 1, 2] | None = Field(None, description="accepted: a whole answer is the final output, "
-                                                                   "a stream sends deltas (vLLM's rule)")
-    detokenize: bool | None = Field(None, description="accepted: the answer holds no text")
-    spaces_between_special_tokens: bool | None = Field(None, description="accepted: the answer holds no text")
-    flat_logprobs: bool | None = Field(None, description="accepted: how vLLM stores log probs, not what it answers")
-    extra_args: dict[str, Any] | None = Field(None, description="only prime-rl's prl_compact_logprobs (answered as "
-                                                                "plain JSON log probs, which its client reads too)")
+    "output_kind": (Literal[0, 1, 2] | None, Field(None, description="accepted: a whole answer is the final "
+                                                                        "output, a stream sends deltas (vLLM's rule)")),
+    "detokenize": (bool | None, Field(None, description="accepted: the answer holds no text")),
+    "spaces_between_special_tokens": (bool | None, Field(None, description="accepted: the answer holds no text")),
+    "flat_logprobs": (bool | None, Field(None, description="accepted: how vLLM stores log probs, not what it "
+                                                              "answers")),
+    "extra_args": (dict[str, Any] | None, Field(None, description="only prime-rl's prl_compact_logprobs (answered "
+                                                                     "as plain JSON log probs, which its client reads "
+                                                                     "too)")),
+}
+
+VllmSamplingParams = sampling_body(
+    "VllmSamplingParams", "vllm", """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them: every row of
+    the sampling table with a vLLM name (the ranges are those of ``/v1/completions``), and the fields that change
+    nothing in a tokens-out answer.""", descriptions=DESCRIPTIONS, own=NO_EFFECT)
 
 
-#: The fields above that change nothing in a tokens-out answer (see their descriptions).
-_NO_EFFECT = frozenset({"output_kind", "detokenize", "spaces_between_special_tokens", "flat_logprobs", "extra_args"})
 _EXTRA_ARGS = frozenset({"prl_compact_logprobs"})
 
 
@@ -62,7 +56,7 @@ def sampling_fields(params: VllmSamplingParams, where: str) -> dict[str, Any]:
     if unknown:
         raise bad_request(f"{where}.extra_args.{unknown[0]}: no logits processor of this server reads it",
                           param=f"{where}.extra_args.{unknown[0]}", code="unsupported_parameter")
-    given = params.model_dump(exclude_none=True, exclude=set(_NO_EFFECT))
+    given = params.model_dump(exclude_none=True, exclude=set(NO_EFFECT))
     return {_COMPLETIONS_NAME.get(name, name): value for name, value in given.items()}
 
 
