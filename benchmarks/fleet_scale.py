@@ -17,6 +17,11 @@ past one machine reaches. Per size, in this order:
   CPU per request (its finish, its result, the dispatch of the next), and each step's handling time at p50/p99,
   the latency from a freed slot to its next request sent.
 
+* **verbs** (``--verbs``): PAUSE, REFIT (its verify and load phases), SUSPEND, RESUME and UNPAUSE in turn, each from
+  the client's frame to its CONTROL_ACK, every engine acknowledging each of its steps at once: the coordinator's time
+  per verb, its fan-out to every engine and the acknowledgements' handling (``coordinator_peer.py --verbs`` times
+  the same over ZeroMQ, against the real coordinator process).
+
 The claim is the ratio from the smallest queue to the largest at 1,000 engines (docs/benchmarks.md). Simulated
 engines answer at once: what is measured is the coordinator, not a model. Times are the coordinator thread's CPU by
 default (``--clock cpu``): on a shared host the wall clock's p99 is the scheduler's (6-11 ms at a load of 8 on 2
@@ -100,12 +105,7 @@ def measure(engines: int, total: int, completions: int, step_outputs: int, clock
     core = replay.core
     gc.collect()
     before = rss()
-    submitted = 0
-    while submitted < total:
-        for frame in replay.submits(min(SUBMIT_BATCH, total - submitted), []):
-            replay.coordinator(CLIENT, frame)
-        submitted = replay.submitted
-    admit = replay.seconds / total
+    admit = submit_all(replay, total) / total
     gc.collect()
     held = len(core.flow.table)
     per_request = (rss() - before) / held
@@ -145,6 +145,65 @@ def measure(engines: int, total: int, completions: int, step_outputs: int, clock
                statistics.median(steps) * 1e3, steps[min(len(steps) - 1, int(len(steps) * 0.99))] * 1e3)
 
 
+def submit_all(replay: Replay, total: int) -> float:
+    """Submit ``total`` requests in BATCH frames of :data:`SUBMIT_BATCH`; the coordinator's seconds for them."""
+    began = replay.seconds
+    while replay.submitted < total:
+        for frame in replay.submits(min(SUBMIT_BATCH, total - replay.submitted), []):
+            replay.coordinator(CLIENT, frame)
+    return replay.seconds - began
+
+
+def measure_verbs(engines: int, queued: int, clock: str) -> dict[str, float]:
+    """:func:`verb_times` at ``engines`` engines, each holding twice its capacity, with ``queued`` requests
+    submitted (the rest wait in the coordinator)."""
+    replay = Replay(engines, 0, CAPACITY, capacity=CAPACITY, acks=False, clock=CLOCKS[clock])
+    submit_all(replay, queued)
+    for engine in replay.engines:
+        replay.received(engine)  # the requests dispatched: the engines hold them
+    return verb_times(replay)
+
+
+#: The verbs timed, in the order they run (each legal after the one before), and the state each engine reports.
+VERBS: tuple[tuple[Header, dict[str, object], str], ...] = (
+    (Header.PAUSE, {}, "PAUSED"),
+    (Header.REFIT, {"source": "/weights/step-2"}, "PAUSED"),
+    (Header.SUSPEND, {}, "SUSPENDED"),
+    (Header.RESUME, {}, "PAUSED"),
+    (Header.UNPAUSE, {}, "RUNNING"),
+)
+
+
+def verb_times(replay: Replay) -> dict[str, float]:
+    """Each of :data:`VERBS`' completion time in the coordinator (seconds on the replay's clock): the client's verb,
+    every engine's acknowledgement of each step it is sent (a REFIT's verify, then its load), to the client's
+    CONTROL_ACK."""
+    times: dict[str, float] = {}
+    for number, (header, fields, state) in enumerate(VERBS):
+        control_id = f"verb-{number}"
+        began = replay.seconds
+        replay.coordinator(CLIENT, encode(header, {"control_id": control_id, **fields}))
+        while True:
+            answered = [m for m in replay.received(CLIENT) if m.header in (Header.CONTROL_ACK, Header.ERROR)]
+            if answered:
+                break
+            steps = 0
+            for engine in replay.engines:
+                for message in replay.received(engine):
+                    if message.header is header:  # a step of the verb (others: requests sent after UNPAUSE)
+                        steps += 1
+                        replay.coordinator(engine, encode(Header.CONTROL_ACK, {
+                            "control_id": message.body.control_id, "state": state,
+                            "engine_id": replay.engine_ids[engine]}))
+            if steps != len(replay.engines):
+                raise RuntimeError(f"{header.name}: {steps} of {len(replay.engines)} engines were sent its step, "
+                                   "and no answer came")
+        if answered[0].header is Header.ERROR:
+            raise RuntimeError(f"{header.name} refused: {answered[0].body.message}")
+        times[header.name] = replay.seconds - began
+    return times
+
+
 def _submitted(replay: Replay, engine: bytes) -> list[str]:
     """The request ids the coordinator sent ``engine`` since the last look."""
     return [msgspec.msgpack.decode(m.body.request)["request_id"] for m in replay.received(engine)
@@ -161,6 +220,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="what times the coordinator: its thread's CPU (default; a loaded host's other processes "
                              "left out) or the wall clock")
+    parser.add_argument("--verbs", action="store_true",
+                        help="also time PAUSE, REFIT, SUSPEND, RESUME and UNPAUSE at each engine count")
+    parser.add_argument("--verbs-queued", type=int, default=100_000, help="requests submitted before the verbs")
     args = parser.parse_args()
     engine_counts = [int(v) for v in args.engines.split(",")]
     sizes = [int(v) for v in args.queued.split(",")]
@@ -174,6 +236,14 @@ def main() -> None:
                 continue  # the largest queue at the largest fleet only: the claim's row, in bounded time
             row = measure(engines, total, min(args.completions, total), args.step_outputs, args.clock)
             print(row.line(), flush=True)
+    if args.verbs:
+        names = [header.name for header, _, _ in VERBS]
+        print(f"\nverbs, {args.verbs_queued:,} requests submitted: the coordinator's ms from the client's verb to its "
+              f"CONTROL_ACK\n| engines | " + " | ".join(f"{n} ms" for n in names) + " |\n|---|"
+              + "---|" * len(names), flush=True)
+        for engines in engine_counts:
+            times = measure_verbs(engines, args.verbs_queued, args.clock)
+            print(f"| {engines:,} | " + " | ".join(f"{times[n] * 1e3:.1f}" for n in names) + " |", flush=True)
 
 
 if __name__ == "__main__":
