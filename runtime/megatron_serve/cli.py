@@ -43,6 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                      "directory"),
     "operator": ("megatron_operator.commands.operator", "run the Kubernetes operator (options pass through to kopf run)"),
     "render": ("megatron_operator.commands.render", "print the child objects the operator would create for a resource"),
+    "metrics-adapter": ("megatron_operator.commands.metrics_adapter", "serve the fleets' metrics as the custom "
+                                                                       "metrics API, for a HorizontalPodAutoscaler"),
 }
 
 

@@ -33,6 +33,7 @@ REQUIRED = {
     "download": ["org/name"],
     "operator": [],
     "render": ["-f", "x.yaml"],
+    "metrics-adapter": ["--tls-cert-file", "tls.crt", "--tls-private-key-file", "tls.key"],
 }
 #: A value of the option's type, for options that take one.
 SAMPLE = {int: "7", float: "0.5", None: "x"}
