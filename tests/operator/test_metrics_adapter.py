@@ -133,8 +133,8 @@ async def adapter(pki: Pki) -> AsyncIterator[Running]:
     proxy = FrontProxy.from_configmap({
         "requestheader-client-ca-file": pathlib.Path(pki.path("front-proxy-ca.crt")).read_text(),
         "requestheader-allowed-names": json.dumps(["front-proxy-client"])})
-    served = MetricsAdapter(rules_by_name(DEFAULT_RULES), f"http://127.0.0.1:{fleet_port}/{{namespace}}/{{name}}/metrics",
-                            proxy)
+    url = f"http://127.0.0.1:{fleet_port}/{{namespace}}/{{name}}/metrics"
+    served = MetricsAdapter(rules_by_name(DEFAULT_RULES), url, proxy)
     runner, port = await _serve(build_app(served), server_context(pki.path("adapter.crt"), pki.path("adapter.key"),
                                                                  proxy))
     try:

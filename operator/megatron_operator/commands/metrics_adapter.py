@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..metrics_adapter.rules import DEFAULT_RULES
 
     defaults = ", ".join(f"{r.name}={'+'.join(r.series)}" for r in DEFAULT_RULES)
-    parser.add_argument("--secure-port", type=int, default=6443, metavar="PORT", help="HTTPS port (kube-apiserver's flag name)")
+    parser.add_argument("--secure-port", type=int, default=6443, metavar="PORT",
+                        help="HTTPS port (kube-apiserver's flag name)")
     parser.add_argument("--bind-address", default="0.0.0.0", metavar="ADDRESS", help="address to listen on")
     parser.add_argument("--tls-cert-file", required=True, metavar="PATH",
                         help="serving certificate (PEM); the APIService verifies it with its caBundle, or not at all "
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", action="append", metavar="NAME=SERIES[+SERIES...]",
                         help="serve NAME as the sum of these series over every label set (repeatable; replaces a "
                              f"default of the same name). Served without it: {defaults}")
-    parser.add_argument("--scrape-timeout", type=float, default=5.0, metavar="SECONDS", help="seconds one scrape may take")
+    parser.add_argument("--scrape-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="seconds one scrape may take")
 
 
 def run(args: argparse.Namespace) -> int:
