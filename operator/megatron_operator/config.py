@@ -22,6 +22,7 @@ ENV_COMMAND_TIMEOUT = "MEGATRON_OPERATOR_COMMAND_TIMEOUT"
 ENV_POD_LABELS = "MEGATRON_OPERATOR_POD_LABELS"
 ENV_SCANNING = "MEGATRON_OPERATOR_SCANNING"
 ENV_LEADER_WORKER_SET = "MEGATRON_OPERATOR_LEADER_WORKER_SET"
+ENV_PEERING_LIFETIME = "MEGATRON_OPERATOR_PEERING_LIFETIME"
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -85,6 +86,9 @@ class OperatorConfig:
     scanning: bool = True
     # gangs as LeaderWorkerSets where the API server serves them (auto); False: always StatefulSets (never)
     leader_worker_set: bool = True
+    # kopf peering (an operator run without --standalone): how long a peer's last keep-alive counts, so how soon a
+    # paused replica takes over from one that died without saying goodbye (kopf's default, 60 s)
+    peering_lifetime: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -111,6 +115,7 @@ class OperatorConfig:
             command_timeout=_float(env, ENV_COMMAND_TIMEOUT, 120.0),
             scanning=(env.get(ENV_SCANNING, "true").strip().lower() not in ("0", "false", "no", "off")),
             leader_worker_set=lws_mode == "auto",
+            peering_lifetime=_float(env, ENV_PEERING_LIFETIME, 60.0),
             **kwargs,
         )
 

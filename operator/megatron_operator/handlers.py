@@ -48,6 +48,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.reporting_component = "megatron-operator"
     settings.scanning.disabled = not CONFIG.scanning
     settings.watching.server_timeout = 300
+    settings.peering.lifetime = max(1, round(CONFIG.peering_lifetime))  # kopf counts it in whole seconds
     settings.execution.max_workers = 8
     # A deletion waits for a running timer pass to end: look again after a second, not a minute.
     settings.background.cancellation_polling = 1.0

@@ -148,11 +148,12 @@ def service_account_kubeconfig(kubectl: Kubectl, account: str, path: pathlib.Pat
 
 class OperatorProcess:
     """``python -m megatron_operator operator`` (kopf) as a process of its own, serving one namespace with the
-    credentials of ``kubeconfig`` (a ServiceAccount's), its log in a file the test can read."""
+    credentials of ``kubeconfig`` (a ServiceAccount's), its log in a file the test can read; ``--standalone`` unless
+    ``peering`` gives kopf's peering options instead."""
 
     def __init__(self, kubeconfig: pathlib.Path, namespace: str, log: pathlib.Path, *, scanning: bool = True,
-                 env: dict[str, str] | None = None):
-        self.kubeconfig, self.namespace, self.log_path = kubeconfig, namespace, log
+                 env: dict[str, str] | None = None, peering: tuple[str, ...] = ("--standalone",)):
+        self.kubeconfig, self.namespace, self.log_path, self.peering = kubeconfig, namespace, log, peering
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MEGATRON_OPERATOR_TOKEN_KEY": TOKEN_KEY,
                     "MEGATRON_OPERATOR_RECONCILE_INTERVAL": "1", "MEGATRON_OPERATOR_CONNECT_TIMEOUT": "1",
                     "MEGATRON_OPERATOR_COMMAND_TIMEOUT": "10",
@@ -162,7 +163,7 @@ class OperatorProcess:
     def start(self) -> "OperatorProcess":
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "megatron_operator", "operator", "--standalone", "--verbose",
+                [sys.executable, "-m", "megatron_operator", "operator", *self.peering, "--verbose",
                  f"--namespace={self.namespace}"], stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self
 

@@ -147,10 +147,11 @@ def test_config_from_env():
     cfg = OperatorConfig.from_env({"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": "tcp://127.0.0.1:7000",
                                    "MEGATRON_OPERATOR_RECONCILE_INTERVAL": "2.5",
                                    "MEGATRON_OPERATOR_POD_LABELS": "a=b, c=d",
-                                   "MEGATRON_OPERATOR_TOKEN_KEY": "k", "MEGATRON_OPERATOR_SCANNING": "false"})
+                                   "MEGATRON_OPERATOR_TOKEN_KEY": "k", "MEGATRON_OPERATOR_SCANNING": "false",
+                                   "MEGATRON_OPERATOR_PEERING_LIFETIME": "10"})
     assert cfg.coordinator_address("n", "ns") == "tcp://127.0.0.1:7000"
     assert cfg.reconcile_interval == 2.5 and cfg.operator_pod_labels == {"a": "b", "c": "d"}
-    assert cfg.token_key == b"k" and cfg.scanning is False
+    assert cfg.token_key == b"k" and cfg.scanning is False and cfg.peering_lifetime == 10
     default = OperatorConfig.from_env({})
     assert default.coordinator_address("llm", "ml") == "tcp://llm-coordinator.ml.svc:5555"
     assert OperatorConfig.from_env({}).token_key != default.token_key  # random per operator process
@@ -159,6 +160,8 @@ def test_config_from_env():
         OperatorConfig.from_env({"MEGATRON_OPERATOR_RECONCILE_INTERVAL": "soon"})
     with pytest.raises(ValueError, match="MEGATRON_OPERATOR_COORDINATOR_ADDRESS"):
         OperatorConfig.from_env({"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": "tcp://{host}:1"})
+    with pytest.raises(ValueError, match="MEGATRON_OPERATOR_PEERING_LIFETIME: must be positive"):
+        OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_LIFETIME": "0"})
 
 
 class _Link:
