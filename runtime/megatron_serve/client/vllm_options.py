@@ -77,10 +77,7 @@ def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], 
 def _positive_float(flag: str) -> Callable[[str], float]:
     """An argparse ``type`` for a positive number; others are refused naming the flag."""
     def parse(value: str) -> float:
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        number = _converted(value, float, "a number")
         if not number > 0 or number == float("inf"):
             raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {value!r}")
         return number
@@ -150,11 +147,16 @@ def _weight_transfer_config(value: str) -> dict[str, Any]:
     return item
 
 
-def _positive(value: str) -> int:
+def _converted(value: str, kind: Callable[[str], Any], what: str) -> Any:
+    """``kind(value)``, or argparse's error saying ``value`` is not ``what``."""
     try:
-        number = int(value)
+        return kind(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
+
+
+def _positive(value: str) -> int:
+    number = _converted(value, int, "an integer")
     if number < 1:
         raise argparse.ArgumentTypeError(f"{number}: must be a positive integer")
     return number
