@@ -9,6 +9,7 @@ that fits is placed whatever runs beside it.
 
 from __future__ import annotations
 
+import base64
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 from megatron_operator import names
 
 from .real_cluster import Namespace
-from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, clients, service_account_kubeconfig, until
+from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, clients, example, service_account_kubeconfig, until
 
 #: What marks a node as kwok's to play (tools/kube-cluster starts kwok with this annotation selector).
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
@@ -99,6 +100,22 @@ class Fleet:
                               .get("conditions", [])) for n in nodes), 60, "the pool's nodes Ready")
         return {"nodeSelector": {POOL_LABEL: ns},
                 "tolerations": [{"key": POOL_LABEL, "operator": "Equal", "value": ns, "effect": "NoSchedule"}]}
+
+    def tiny_resource(self, name: str, model: str) -> dict[str, Any]:
+        """The single-GPU example as resource ``name`` serving the tiny test model at ``model`` (a local path: its
+        engines run as processes here), draining in 5 s; its API-key Secret is made by :meth:`prerequisites`."""
+        resource = example("single-gpu.yaml", self.kubectl.namespace)
+        resource["metadata"]["name"] = name
+        resource["spec"]["model"] = {"path": model, "dtype": "float32"}
+        resource["spec"]["server"]["apiKeySecretRef"]["name"] = f"{name}-api-key"
+        resource["spec"]["drainTimeoutSeconds"] = 5
+        return resource
+
+    def coordinator_token(self, name: str) -> str:
+        """The fleet token the operator made for resource ``name`` (its coordinator's and engines' secret)."""
+        secret = until(lambda: self.kubectl.get("secret", f"{name}-coordinator-token"), 60,
+                       f"the coordinator's Secret of {name}")
+        return base64.b64decode(secret["data"]["token"]).decode()
 
     def operator(self, **env: str) -> OperatorProcess:
         kubeconfig = service_account_kubeconfig(self.kubectl, self.account, self.workdir / "operator.kubeconfig")

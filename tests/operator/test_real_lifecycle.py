@@ -11,7 +11,6 @@ engine process as the StatefulSet's pod comes and goes, which a kubelet would do
 
 from __future__ import annotations
 
-import base64
 import pathlib
 from typing import Any
 
@@ -21,7 +20,7 @@ from tests.helpers import Children, free_port
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
-from .real_tools import MI, example, until
+from .real_tools import MI, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,16 +43,11 @@ def _pods(fleet: Fleet) -> list[str]:
 def test_lifecycle_verbs_reach_a_real_coordinator_and_engine(fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path):
     kubectl = fleet.kubectl
     port = free_port()
-    resource = example("single-gpu.yaml", kubectl.namespace)
-    resource["metadata"]["name"] = NAME
-    resource["spec"]["model"] = {"path": tiny_model, "dtype": "float32"}
-    resource["spec"]["server"]["apiKeySecretRef"]["name"] = f"{NAME}-api-key"
-    resource["spec"]["drainTimeoutSeconds"] = 5
+    resource = fleet.tiny_resource(NAME, tiny_model)
     fleet.prerequisites(resource)
     operator = fleet.operator(MEGATRON_OPERATOR_COORDINATOR_ADDRESS=f"tcp://127.0.0.1:{port}")
     kubectl.apply([resource])
-    secret = until(lambda: kubectl.get("secret", f"{NAME}-coordinator-token"), 60, "the coordinator's Secret")
-    token = base64.b64decode(secret["data"]["token"]).decode()
+    token = fleet.coordinator_token(NAME)
 
     children = Children(tmp_path)
     env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
