@@ -286,8 +286,9 @@ MAX_COORDINATOR_CORE_LINES = 300
 
 def test_the_coordinator_core_routes_to_its_parts():
     """``CoordinatorCore`` stays under MAX_COORDINATOR_CORE_LINES lines: a request's way (submit, mirror, finish,
-    deliver, requeue) is :class:`RequestFlow`'s, the weights generation :class:`FleetWeights`'s, and the job modules
-    reach them as the core's named parts (``core.flow``, ``core.weights``)."""
+    deliver, requeue) is :class:`RequestFlow`'s, the weights generation :class:`FleetWeights`'s, the membership,
+    lifecycle state and routing named parts of their own, which the job modules are handed explicitly (no Protocol of
+    the core's mutable attributes, ``core_view.py``, stands between them)."""
     (cls,) = [node for node in _tree(PACKAGES["megatron_serve"] / "coordinator" / "core.py").body
               if isinstance(node, ast.ClassDef) and node.name == "CoordinatorCore"]
     lines = cls.end_lineno - cls.lineno + 1
@@ -295,7 +296,9 @@ def test_the_coordinator_core_routes_to_its_parts():
     attributes = {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign))
                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                   if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    assert {"flow", "weights"} <= attributes and not attributes & {"requests", "handoffs", "epoch", "weights_source"}
+    assert {"flow", "weights", "members", "lifecycle", "dispatcher"} <= attributes
+    assert not attributes & {"requests", "handoffs", "epoch", "weights_source", "engines", "peers", "state", "policy"}
+    assert not (PACKAGES["megatron_serve"] / "coordinator" / "core_view.py").exists()
 
 
 #: Modules directly in ``engine/`` (its ``__init__`` aside): a subsystem of several files gets a folder (sampling,

@@ -223,15 +223,15 @@ def test_a_stalled_step_loop_loses_its_requests_while_a_slow_one_keeps_them():
     submit(h, "r")
     for _ in range(4):  # heartbeats keep coming, the counter moves: slow, not stalled
         h.advance(10.0)
-        h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=h.core.engines[e1].progress + 1))
-    assert e1 in h.core.engines
-    stuck = h.core.engines[e1].progress
+        h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=h.core.members.engines[e1].progress + 1))
+    assert e1 in h.core.members.engines
+    stuck = h.core.members.engines[e1].progress
     for _ in range(3):  # the counter stops
         h.advance(10.0)
         h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=stuck))
-    assert e1 in h.core.engines  # 30 s: not yet
+    assert e1 in h.core.members.engines  # 30 s: not yet
     h.advance(10.0)
-    assert e1 not in h.core.engines and status(h).queued == 1
+    assert e1 not in h.core.members.engines and status(h).queued == 1
 
 
 def test_an_aborted_request_is_answered_at_once_and_its_engine_told():

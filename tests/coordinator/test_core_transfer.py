@@ -95,7 +95,7 @@ def test_a_broken_transfer_keeps_the_engines_and_refuses_unpause_until_a_refit_c
     h.send(C, Header.UNPAUSE, Control(control_id="u"))
     refused = h.take(C, Header.ERROR)[0]
     assert refused.code == "weights_incomplete" and e1 in refused.message and "REFIT first" in refused.message
-    assert h.core.state.value == "PAUSED" and not h.take(E1, Header.UNPAUSE)
+    assert h.core.lifecycle.state.value == "PAUSED" and not h.take(E1, Header.UNPAUSE)
 
     transfer(h, "r2", 2, {E1: {"epoch": 2}, E2: {"epoch": 2}})
     assert h.take(C, Header.CONTROL_ACK)[0].detail["epoch"] == 2

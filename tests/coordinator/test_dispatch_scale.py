@@ -57,7 +57,7 @@ def test_a_full_fleet_is_looked_at_only_where_room_appears(monkeypatch):
     newcomer = h.engine(b"engine-new", group=99, capacity=2)  # a registration: every engine is looked at again
     assert len(set(looked)) == 51
     assert [rid.split("/")[1] for rid in sent_to(h, b"engine-new")] == ["r102", "r103"]
-    assert newcomer in core.engines
+    assert newcomer in core.members.engines
 
 
 def test_a_request_into_an_idle_fleet_is_placed_without_a_scan(monkeypatch):

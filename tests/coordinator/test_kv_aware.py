@@ -80,13 +80,13 @@ def test_a_prompt_goes_where_its_blocks_are_and_a_storm_that_evicts_them_moves_i
     held = sides[2].store(prompt)
     sides[1].store(prompt[: 2 * BS + 1])  # a shorter match elsewhere
     assert route(h, sides, "a", prompt) == 2
-    assert h.core.policy.hit_blocks == 6
+    assert h.core.dispatcher.policy.hit_blocks == 6
     sides[2].remove(held)  # an eviction storm on engine 2: its events say so
     sides[1].store(prompt)
     assert route(h, sides, "b", prompt) == 1  # routed-prefix memory would still send it to engine 2
     host = sides[0].store(prompt_of(500), MEDIUM_HOST)  # a prefix in a host tier is found there too
     assert route(h, sides, "c", prompt_of(500)) == 0
-    assert h.core.kv_index.match(sides[0].engine_id, host) == (6, pytest.approx(6 * 0.8))
+    assert h.core.dispatcher.kv_index.match(sides[0].engine_id, host) == (6, pytest.approx(6 * 0.8))
 
 
 def test_an_engine_whose_events_lag_or_were_lost_is_routed_by_load_alone():
@@ -96,31 +96,31 @@ def test_an_engine_whose_events_lag_or_were_lost_is_routed_by_load_alone():
     # its heartbeat names a batch the coordinator has not seen: behind, and for longer than the lag allowed
     h.send(sides[1].identity, Header.HEARTBEAT, Heartbeat(engine_id=sides[1].engine_id,
                                                           stats={"kv_events_seq": sides[1].log.seq_of(sides[1]._send) + 5}))
-    assert h.core.kv_index.trusted(sides[1].engine_id, h.now)
-    assert not h.core.kv_index.trusted(sides[1].engine_id, h.now + 10.0)
+    assert h.core.dispatcher.kv_index.trusted(sides[1].engine_id, h.now)
+    assert not h.core.dispatcher.kv_index.trusted(sides[1].engine_id, h.now + 10.0)
     sides[2].store(prompt)
     sides[2].lost.add(sides[2].log.seq_of(sides[2]._send) + 1)  # the next batch never arrives
     sides[2].store(prompt_of(900))
     sides[2].store(prompt_of(950))  # seq skips one: engine 2's entries are not trusted any more
-    assert not h.core.kv_index.trusted(sides[2].engine_id, h.now) and h.core.kv_index.lost == 1
+    assert not h.core.dispatcher.kv_index.trusted(sides[2].engine_id, h.now) and h.core.dispatcher.kv_index.lost == 1
     sides[2].log.cleared()  # its next clear makes it whole again
     sides[2].log.flush()
-    assert h.core.kv_index.trusted(sides[2].engine_id, h.now)
+    assert h.core.dispatcher.kv_index.trusted(sides[2].engine_id, h.now)
 
 
 def test_a_refit_and_a_departure_drop_an_engines_entries():
     h, sides = fleet()
     prompt = prompt_of(300)
     sides[0].store(prompt)
-    assert h.core.kv_index.size(sides[0].engine_id) == 6
-    h.core.policy.forget(sides[0].engine_id)  # what the coordinator does at a refit
-    assert h.core.kv_index.size(sides[0].engine_id) == 0
+    assert h.core.dispatcher.kv_index.size(sides[0].engine_id) == 6
+    h.core.dispatcher.policy.forget(sides[0].engine_id)  # what the coordinator does at a refit
+    assert h.core.dispatcher.kv_index.size(sides[0].engine_id) == 0
     sides[0].log.cleared()  # the engine's AllBlocksCleared follows
     sides[0].log.flush()
     new_epoch = sides[0].store(prompt, epoch=1)  # blocks of the new weights: other hashes
     assert not set(new_epoch) & set(block_hashes(prompt[:6 * BS], BS))
-    h.core.remove_engine(h.core.engines[sides[1].engine_id], "test")
-    assert sides[1].engine_id not in h.core.kv_index.engines
+    h.core.remove_engine(h.core.members.engines[sides[1].engine_id], "test")
+    assert sides[1].engine_id not in h.core.dispatcher.kv_index.engines
 
 
 def test_temperature_spreads_a_hot_prefix_and_zero_keeps_it():
@@ -150,12 +150,13 @@ def test_a_burst_of_one_prefix_stays_on_one_engine_before_its_events_arrive_and_
     prompt = prompt_of(700)
     first = route(h, sides, "p0", prompt)  # no engine has said anything of it yet
     assert route(h, sides, "p1", prompt) == first  # the blocks on their way count: not computed a second time
-    assert h.core.policy.hit_blocks == 6
-    control = KVAware(h.core.kv_index, pending_s=0.0)  # without them the next goes by load alone
-    views = [h.core.engines[side.engine_id] for side in sides]
+    assert h.core.dispatcher.policy.hit_blocks == 6
+    control = KVAware(h.core.dispatcher.kv_index, pending_s=0.0)  # without them the next goes by load alone
+    views = [h.core.members.engines[side.engine_id] for side in sides]
     request = SimpleNamespace(request_id="c", params=None, prefix_keys=prompt, prefix_root=ROOT_HASH)
     assert control.select(request, views).group != first
-    h.core.kv_index.now += 10.0  # no event said it was stored: the guess expires
-    assert h.core.policy.match(sides[first].engine_id, block_hashes(prompt[:6 * BS], BS), h.core.kv_index.now) == (0, 0)
+    h.core.dispatcher.kv_index.now += 10.0  # no event said it was stored: the guess expires
+    routing = h.core.dispatcher
+    assert routing.policy.match(sides[first].engine_id, block_hashes(prompt[:6 * BS], BS), routing.kv_index.now) == (0, 0)
     with pytest.raises(ValueError, match="pending_s"):
-        KVAware(h.core.kv_index, pending_s=-1)
+        KVAware(h.core.dispatcher.kv_index, pending_s=-1)

@@ -41,7 +41,7 @@ def test_a_joiner_of_the_donors_layout_pulls_from_it():
     [ask] = harness.take(b"donor", Header.PEER_WEIGHTS)
     assert isinstance(ask, PeerShare)
     assert (ask.engine_id, ask.prefix, ask.epoch) == (ack.engine_id, peer["prefix"], 3)
-    assert harness.core.engines[ack.engine_id].epoch == 3  # it exits if the pull fails
+    assert harness.core.members.engines[ack.engine_id].epoch == 3  # it exits if the pull fails
 
 
 def test_no_pull_without_a_donor_of_the_same_layout():
@@ -51,7 +51,7 @@ def test_no_pull_without_a_donor_of_the_same_layout():
     older = hello(harness, b"older", 3, epoch=0, weights="/m")  # an engine that says no layout
     assert [other_layout.refit, group.refit, older.refit] == [None, None, None]
     assert harness.take(b"donor", Header.PEER_WEIGHTS) == []
-    assert harness.core.engines[other_layout.engine_id].epoch == 0
+    assert harness.core.members.engines[other_layout.engine_id].epoch == 0
 
 
 def test_no_pull_from_an_engine_without_a_peer_store():

@@ -50,14 +50,14 @@ def test_a_session_stays_on_its_engine_under_round_robin_and_moves_past_the_load
         sent = where(h, ids)
         assert list(sent.values()) == [home]
         finish_all(h, ids, sent)
-    assert h.core.sessions.describe()["kept"] == 5
+    assert h.core.dispatcher.sessions.describe()["kept"] == 5
     # Its engine busy beyond the bound (least-loaded 0, bound 4): the next turn moves, and the session with it.
     for i in range(5):
         submit(h, f"other{i}", rank=list(ids).index(home))
     where(h, ids)
     submit(h, "t6", session="s")
     (moved,) = where(h, ids).values()
-    assert moved != home and h.core.sessions.engine_of("s", h.now) == ids[moved]
+    assert moved != home and h.core.dispatcher.sessions.engine_of("s", h.now) == ids[moved]
 
 
 def test_sessions_expire_after_their_ttl_and_leave_with_their_engine():
@@ -70,12 +70,13 @@ def test_sessions_expire_after_their_ttl_and_leave_with_their_engine():
     submit(h, "a2", session="a")  # used: its clock restarts
     finish_all(h, ids, where(h, ids))
     h.advance(20)
-    assert h.core.sessions.engine_of("b", h.now) is None and h.core.sessions.engine_of("a", h.now) is not None
+    sessions = h.core.dispatcher.sessions
+    assert sessions.engine_of("b", h.now) is None and sessions.engine_of("a", h.now) is not None
     home = sent["c1/a"]
-    h.core.remove_engine(h.core.engines[ids[home]], "killed")
+    h.core.remove_engine(h.core.members.engines[ids[home]], "killed")
     submit(h, "a3", session="a")
     (elsewhere,) = where(h, ids).values()
-    assert elsewhere != home and h.core.sessions.engine_of("a", h.now) == ids[elsewhere]
+    assert elsewhere != home and h.core.dispatcher.sessions.engine_of("a", h.now) == ids[elsewhere]
 
 
 def test_a_rank_pins_whatever_the_policy_prefers_and_an_unknown_rank_is_refused_by_name():
@@ -95,13 +96,13 @@ def test_a_pinned_request_fails_when_its_engine_goes_and_an_unpinned_one_moves()
     (home,) = where(h, ids).values()
     submit(h, "pinned", rank=list(ids).index(home))
     assert list(where(h, ids).values()) == [home]
-    h.core.remove_engine(h.core.engines[ids[home]], "killed")
+    h.core.remove_engine(h.core.members.engines[ids[home]], "killed")
     h.send(C, Header.STATUS, Status(status_id=1))  # any input: the core settles and dispatches
     (result,) = h.take(C, Header.RESULT)
     assert result.client_request_id == "pinned" and result.request["status"] == "FAILED"
     assert result.request["finish_reason"] == "abort" and "pinned engine is gone" in result.request["error"]
     (elsewhere,) = where(h, ids).values()
-    assert elsewhere != home and h.core.sessions.engine_of("s", h.now) == ids[elsewhere]
+    assert elsewhere != home and h.core.dispatcher.sessions.engine_of("s", h.now) == ids[elsewhere]
 
 
 def test_the_session_table_forgets_the_least_recently_used_beyond_its_size():

@@ -184,8 +184,8 @@ def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
     h = CoreHarness(routing="prefix_affinity")
     info = {"block_size": BS, "prefix_caching": True}
     ids = [h.engine(b"x%d" % g, group=g, **info) for g in range(2)]
-    records = [h.core.engines[i] for i in ids]
-    policy = h.core.policy
+    records = [h.core.members.engines[i] for i in ids]
+    policy = h.core.dispatcher.policy
     assert policy.select(request(seq(0, 4)), records) is records[0]
     h.send(records[1].identity, Header.HEARTBEAT, Heartbeat(cached_tokens=48, computed_tokens=300))
     described = h.core.status(Status(), h.now).engines[1]
@@ -200,10 +200,10 @@ def test_coordinator_forgets_after_a_refit_and_after_a_suspend_keeps_what_a_host
     h = CoreHarness(routing="prefix_affinity")
     h.client(b"c")
     info = {"block_size": BS, "prefix_caching": True}
-    plain = h.core.engines[h.engine(b"x0", group=0, **info)]
-    tiered = h.core.engines[h.engine(b"x1", group=1, **info, kv_offload_blocks=3)]
+    plain = h.core.members.engines[h.engine(b"x0", group=0, **info)]
+    tiered = h.core.members.engines[h.engine(b"x1", group=1, **info, kv_offload_blocks=3)]
     records = [plain, tiered]
-    policy = h.core.policy
+    policy = h.core.dispatcher.policy
     early, late = seq(0, 4), seq(1000, 2)
 
     def route_to_both() -> None:
@@ -251,7 +251,7 @@ def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, Fake
 async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_leave(fleet_factory):
     fleet = fleet_factory(routing="prefix_affinity")
     procs = [add_caching_engine(fleet)[0] for _ in range(2)]
-    policy = fleet.coordinator.core.policy
+    policy = fleet.coordinator.core.dispatcher.policy
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
     shared = seq(50, 5)
     async with InferenceClient(fleet.address, token=fleet.token) as client:
@@ -270,12 +270,12 @@ async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_le
         await client.resume()
         await client.unpause()
         await client.add_request(shared + [99], params)
-        holder_id = next(eid for eid in list(fleet.coordinator.core.engines) if policy.history_size(eid))
+        holder_id = next(eid for eid in list(fleet.coordinator.core.members.engines) if policy.history_size(eid))
 
         leaving = next(p for p in procs if p.shell.engine_id == holder_id)
         leaving.sigterm = True  # drains (forgotten at once), hands back nothing, leaves
         await until(lambda: policy.history_size(holder_id) == 0, 10, "the draining engine forgotten")
-        await until(lambda: holder_id not in fleet.coordinator.core.engines, 20, "the engine to leave")
+        await until(lambda: holder_id not in fleet.coordinator.core.members.engines, 20, "the engine to leave")
         result = await client.add_request(shared + [100], params)
         assert result.generated_tokens and policy.history_size(holder_id) == 0
 

@@ -35,7 +35,7 @@ def test_status_shows_each_group_s_size_wanted_beside_its_ranks_and_scale_ep_set
     scale(h, 2, "down", b"replica", leaving=False)
     assert h.take(C, Header.CONTROL_ACK)
     assert expert_groups(h) == [{"group": 0, "wanted": 2, "scaled": True, "size": 3, "ranks": [0, 1, 2]}]
-    h.core.remove_engine(h.core.engines[next(iter(h.core.engines))], "gone", expected=True)
+    h.core.remove_engine(h.core.members.engines[next(iter(h.core.members.engines))], "gone", expected=True)
     assert expert_groups(h) == [{"group": 0, "wanted": 2, "scaled": True, "size": 3, "ranks": [1, 2]}]
     scale(h, 3, "up", b"replica", leaving=False)
     assert h.take(C, Header.CONTROL_ACK)

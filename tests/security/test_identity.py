@@ -77,10 +77,10 @@ def test_a_routing_id_taken_over_by_another_connection_inherits_nothing(driven):
     legit.close()  # it leaves; the coordinator's core has not noticed (nothing probes it here)
     # Same routing id, its own key: it knows the coordinator's public key but not the secret.
     thief = driven.connect_as(routing_id, Header.SUBMIT, SUBMIT, secret=None,
-                              server_key=driven.coordinator.core.secret.server_public)
+                              server_key=driven.coordinator.core.members.secret.server_public)
     try:
         core = driven.coordinator.core
-        assert routing_id not in core.peers and len(core.flow.table) == 0  # not legit's: nothing was accepted
+        assert routing_id not in core.members.peers and len(core.flow.table) == 0  # not legit's: nothing was accepted
         thief.send(Header.STATUS, {})
         assert driven.pump() == routing_id
         assert not thief.sock.poll(200) and thief.received() == []  # and it is told nothing
@@ -91,7 +91,7 @@ def test_a_routing_id_taken_over_by_another_connection_inherits_nothing(driven):
 def test_a_hello_counts_only_on_the_connection_whose_key_it_proves(driven):
     legit_keys = PeerKeys()
     recorded = {"role": "engine", "capacity": 1000, "protocol": PROTOCOL_VERSION,
-                "proof": driven.coordinator.core.secret.proof(legit_keys.public)}  # a HELLO seen on the wire
+                "proof": driven.coordinator.core.members.secret.proof(legit_keys.public)}  # a HELLO seen on the wire
     thief = RawPeer(driven.address, driven.secret)  # even with the secret: another connection, another key
     try:
         thief.send(Header.HELLO, recorded)
@@ -99,14 +99,14 @@ def test_a_hello_counts_only_on_the_connection_whose_key_it_proves(driven):
         thief.send(Header.HEARTBEAT, {})
         driven.pump()
         assert not thief.sock.poll(200) and thief.received() == []
-        assert driven.coordinator.core.engines == {}
+        assert driven.coordinator.core.members.engines == {}
     finally:
         thief.close()
     legit = RawPeer(driven.address, driven.secret, keys=legit_keys)  # its owner, holding the private key
     try:
         legit.send(Header.HELLO, recorded)
         driven.pump()
-        assert legit.recv().header is Header.HELLO_ACK and len(driven.coordinator.core.engines) == 1
+        assert legit.recv().header is Header.HELLO_ACK and len(driven.coordinator.core.members.engines) == 1
     finally:
         legit.close()
 

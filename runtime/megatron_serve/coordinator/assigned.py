@@ -1,7 +1,7 @@
 """The requests dispatched to one engine, each with the band it was dispatched in, counted per band.
 
 Dispatch asks of every candidate engine whether it has room for a request of some band, counting only the requests
-it holds of that band or better (:func:`~.dispatch.band_room`). Counting them by scanning the engine's requests made
+it holds of that band or better (:meth:`~.dispatch.Dispatcher.band_room`). Counting them by scanning the engine's requests made
 that question cost as much as the engine held, once per engine per queued request; and counting each by its tenant's
 own class ignored that a request promoted after waiting (:mod:`.fair_queue`) was dispatched in a better band, so a
 queue of promoted requests always found room and went out whole, past every engine's limit. Here each request keeps

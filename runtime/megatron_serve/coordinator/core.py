@@ -2,60 +2,53 @@
 
 Every input is a method call with the time: a decoded message from a peer (:meth:`on_message`),
 a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`). Each returns
-the effects to perform (messages to send, peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing an engine re-queues
-its requests and marks the lifecycle runner to advance, and one settling pass after the input
-runs it and dispatches. This is how it is unit-tested without ZeroMQ (tests/coordinator/test_core.py);
-:mod:`.loop` is the thin loop that owns the socket.
+the effects to perform (messages to send, peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing
+an engine re-queues its requests and marks the lifecycle runner due, and one settling pass after the input runs it
+and dispatches. This is how it is unit-tested without ZeroMQ (tests/coordinator/test_core.py); :mod:`.loop` is the
+thin loop that owns the socket.
 
-The jobs live beside it, one module each: :mod:`.handshake` (HELLO, registration),
-:mod:`.flow` (every request's way from SUBMIT to its acknowledged RESULT, over the request table),
-:mod:`.fleet_weights` (the weights generation the fleet serves), :mod:`.dispatch` (routing queued requests to engines),
-:mod:`.verbs` (the lifecycle state machine), :mod:`.liveness` (heartbeats, probes, stalls). They take this
-core as a :class:`~.core_view.CoreView` (declared beneath them), so that none of them imports this module.
+The state is in named parts, each with its own job, and each job module is handed the parts it works on when the
+core builds it: :class:`~.membership.Membership` (who is connected and registered), :class:`~.lifecycle.Lifecycle`
+(the fleet's state), :class:`~.fleet_weights.FleetWeights` (the weights generation the fleet serves),
+:class:`~.flow.RequestFlow` (every request's way from SUBMIT to its acknowledged RESULT, over the request table and
+its queue policy), :class:`~.dispatch.Dispatcher` (routing and dispatch), :class:`~.handshake.Handshake`,
+:class:`~.verbs.VerbRunner` (the lifecycle state machine at work), :class:`~.liveness.Liveness` (heartbeats,
+probes, stalls). The core routes each message to its part and removes engines; no part imports the core.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from typing import Any
 
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
-from ..wire.lifecycle import FleetState
 from ..wire.handshake import Error, Hello
 from ..wire.messages import TO_COORDINATOR
-from ..wire.status import Draining, Heartbeat, KVEvents, Status, StatusReply
-from ..wire.submission import Handback
-from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
-from .kv_index import KVIndex
-from .placement import DEFAULT_SESSION_TTL_S, Sessions
-from .routing import RoutingPolicy, make_routing_policy
+from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, unbatch
 from ..wire.security import FleetSecret, fleet_secret
-from . import dispatch, handshake, liveness
-from .candidates import Candidates
+from ..wire.status import Status, StatusReply
+from ..wire.submission import Handback
+from .deadlines import (DEFAULT_CLIENT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_STALL_TIMEOUT, DEFAULT_VERB_TIMEOUT,
+                        DEFAULT_WEIGHTS_TIMEOUT, Deadlines)
+from .dispatch import Dispatcher
 from .droplog import DropLog
-from .effects import Effect, Outbox, Probe
-from .flow import RequestFlow
+from .effects import Effect, Outbox
+from .engine_reports import EngineReports
+from .expert_group import WantedSizes
 from .fleet_weights import FleetWeights
+from .flow import RequestFlow
+from .handshake import Handshake
+from .lifecycle import Lifecycle
+from .liveness import Liveness
+from .membership import Membership
 from .peers import ClientRecord, EngineRecord
+from .placement import DEFAULT_SESSION_TTL_S, Sessions
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
 from .requests import Phase
 from .verbs import VerbRunner
+from .verbs.handler import VerbContext
 
 logger = logging.getLogger("megatron_serve.coordinator")
-
-DEFAULT_HEARTBEAT_TIMEOUT = 10.0
-DEFAULT_CLIENT_TIMEOUT = 600.0
-# Per verb step. Below the operator's default command timeout (120 s), so that its own call gets the
-# acknowledgement even when an engine hangs.
-DEFAULT_VERB_TIMEOUT = 60.0
-# Steps that move weights (SUSPEND may offload them, RESUME brings them back and captures CUDA graphs,
-# REFIT's load reads a checkpoint) take as long as reading a large checkpoint can.
-DEFAULT_WEIGHTS_TIMEOUT = 900.0
-# An engine's step loop may not move for this long while it has requests. Generous: one step may be a
-# long prefill or JIT-compile kernels, and a false alarm moves all the engine's requests elsewhere.
-DEFAULT_STALL_TIMEOUT = 120.0
 
 # Which headers each role may send (after HELLO).
 ALLOWED: dict[Role, frozenset[Header]] = {
@@ -93,38 +86,30 @@ class CoordinatorCore:
         (prompt positions and tokens to generate, by the log probs of each: what its engine sends back over
         the links; :func:`~megatron_serve.limits.engine_request_cost`); more is refused with ERROR.
         ``session_ttl``: seconds a session's engine is remembered after its last request (:mod:`.placement`)."""
-        self.secret = fleet_secret(token)
-        self.proven: dict[bytes, bytes | None] = {}  # connections that proved it (identity -> CURVE key), until gone
-        self.routing_name = routing
-        self.kv_index = KVIndex()  # which engine holds which KV block, from their KV events (kv_aware reads it)
-        self.policy: RoutingPolicy = make_routing_policy(routing, self.kv_index)
-        self.sessions = Sessions(session_ttl)  # a session's engine, for its next request (placement)
-        self.heartbeat_timeout = float(heartbeat_timeout)
-        self.client_timeout = float(client_timeout)
-        self.verb_timeout = float(verb_timeout)
-        self.weights_timeout = float(weights_timeout)
-        self.stall_timeout = float(stall_timeout)
-        self.dispatch_factor = float(dispatch_factor)
-        self.coordinator_id = uuid.uuid4().hex[:12]
+        self.members = Membership(fleet_secret(token))
+        self.lifecycle = Lifecycle()
+        self.deadlines = Deadlines(heartbeat=float(heartbeat_timeout), client=float(client_timeout),
+                                   verb=float(verb_timeout), weights=float(weights_timeout), stall=float(stall_timeout))
         self.weights = FleetWeights(model, tokenizer_dir)  # the generation engines serve, LOAD_LORA's adapters
-
-        self.state = FleetState.RUNNING
-        self.suspend_level = 0
-        self.peers: dict[bytes, tuple[Role, str]] = {}  # identity -> (role, engine_id | client_id)
-        self.engines: dict[str, EngineRecord] = {}
-        self.clients: dict[str, ClientRecord] = {}
         self.outbox = Outbox()
         self.drop = DropLog()
-        self.flow = RequestFlow(engines=self.engines, clients=self.clients, outbox=self.outbox, drop=self.drop,
+        members = self.members
+        self.flow = RequestFlow(engines=members.engines, clients=members.clients, outbox=self.outbox, drop=self.drop,
                                 max_image_bytes=max_image_bytes, max_request_logprobs=max_request_logprobs)
-        self.verbs = VerbRunner(self)
-        self.liveness = liveness.Liveness()
-        self.registrations = 0
-        # the engines that may take a request now, in least-loaded order (dispatch files them)
-        self.candidates = Candidates(lambda engine: max(1, int(engine.capacity * self.dispatch_factor)),
-                                     lambda engine: not (engine.draining or engine.stopping)
-                                     and self.weights.served_by(engine))
-        self._advance = False
+        self.dispatcher = Dispatcher(members=members, lifecycle=self.lifecycle, weights=self.weights, flow=self.flow,
+                                     outbox=self.outbox, routing=routing, dispatch_factor=dispatch_factor,
+                                     sessions=Sessions(session_ttl))
+        self.reports = EngineReports(routing=self.dispatcher, lifecycle=self.lifecycle, outbox=self.outbox,
+                                     drop=self.drop)
+        self.verbs = VerbRunner(VerbContext(
+            members=members, lifecycle=self.lifecycle, weights=self.weights, flow=self.flow, routing=self.dispatcher,
+            deadlines=self.deadlines, outbox=self.outbox, remove_engine=self.remove_engine,
+            wanted_sizes=WantedSizes()))
+        self.liveness = Liveness(members=members, lifecycle=self.lifecycle, deadlines=self.deadlines, flow=self.flow,
+                                 verbs=self.verbs, outbox=self.outbox, remove_engine=self.remove_engine)
+        self.handshake = Handshake(members=members, lifecycle=self.lifecycle, weights=self.weights, flow=self.flow,
+                                   liveness=self.liveness, deadlines=self.deadlines, outbox=self.outbox,
+                                   drop=self.drop, remove_engine=self.remove_engine)
 
     # ------------------------------------------------------------------ inputs
 
@@ -133,7 +118,7 @@ class CoordinatorCore:
         if message.header is Header.BATCH:
             for item in unbatch(message.body, TO_COORDINATOR):
                 if isinstance(item, ProtocolError):
-                    self.drop(self.peer_name(identity), str(item))
+                    self.drop(self.members.peer_name(identity), str(item))
                 else:
                     self._handle(identity, item, now, key)
         else:
@@ -142,88 +127,69 @@ class CoordinatorCore:
 
     def on_peer_gone(self, identity: bytes, reason: str, now: float) -> list[Effect]:
         """A send to ``identity`` failed, or a probe found it gone."""
-        self.proven.pop(identity, None)
-        handshake.forget_peer(self, identity, f"unreachable ({reason})", now)
+        self.members.proven.pop(identity, None)
+        self.handshake.forget_peer(identity, f"unreachable ({reason})", now)
         return self._settle(now)
 
     def on_hello_after_probe(self, identity: bytes, hello: Hello, now: float) -> list[Effect]:
         """An engine's HELLO for a group whose holder was just probed (see handshake)."""
-        handshake.on_hello(self, identity, hello, now, probed=True)
+        self.handshake.on_hello(identity, hello, now, probed=True)
         return self._settle(now)
 
     def on_tick(self, now: float) -> list[Effect]:
         """Deadlines: heartbeats, verb steps, stalled step loops, silent and departed clients."""
-        liveness.expire(self, now)
+        self.liveness.expire(now)
         return self._settle(now)
 
     def _settle(self, now: float) -> list[Effect]:
         """Run what the input left to do (advance the lifecycle, dispatch), then hand over the effects."""
-        if self.verbs.draining:  # a PAUSE waits for running requests: this input may have ended the last
-            self._advance = True
-        while self._advance:
-            self._advance = False
-            self.verbs.advance(now)
-        dispatch.dispatch(self, now)
+        self.verbs.settle(now)
+        self.dispatcher.dispatch(now)
         return self.outbox.take()
 
     # ------------------------------------------------------------------ effects and helpers
 
-    def send(self, identity: bytes, header: Header, body: Any, batch: bool = False) -> None:
-        self.outbox.send(identity, header, body, batch)
-
-    def probe(self, identity: bytes, hello: tuple[bytes, Hello] | None = None) -> None:
+    def probe(self, identity: bytes) -> None:
         """Test whether a registered peer's connection is still there (a send to a gone one fails).
 
         A connection that is no peer is told nothing: the loop probes every connection on the file
         descriptor of one that closed, and descriptors are reused, so that may be a refused insider's
         (a probe's heartbeat was the one frame such a connection received after its refusal).
         """
-        if identity not in self.peers and hello is None:
-            return
-        self.outbox.add([Probe(identity, encode(Header.HEARTBEAT, self.heartbeat()), hello)])
-
-    def heartbeat(self) -> Heartbeat:
-        return Heartbeat(coordinator_id=self.coordinator_id, state=self.state.value)
-
-    def advance_verbs(self) -> None:
-        """Have the lifecycle runner look at the verb in progress once this input is handled."""
-        self._advance = True
-
-    def peer_name(self, identity: bytes) -> str:
-        known = self.peers.get(identity)
-        return f"{known[0].value} {known[1]}" if known else f"peer {identity.hex()}"
+        if identity in self.members.peers:
+            self.outbox.probe(identity, self.lifecycle.heartbeat())
 
     # ------------------------------------------------------------------ messages
 
     def _handle(self, identity: bytes, message: Message, now: float, key: bytes | None) -> None:
         header, body = message
         if header is Header.HELLO:
-            handshake.on_hello(self, identity, body, now, key)
+            self.handshake.on_hello(identity, body, now, key)
             return
-        known = self.peers.get(identity)
+        known = self.members.peers.get(identity)
         if known is None:
-            if self.liveness.unresponsive_frame(self, identity, header):
+            if self.liveness.unresponsive_frame(identity, header):
                 return
-            self.drop(self.peer_name(identity), f"{header.name} before a successful HELLO")
-            self.liveness.hello_required(self, identity, now)
+            self.drop(self.members.peer_name(identity), f"{header.name} before a successful HELLO")
+            self.liveness.hello_required(identity, now)
             return
         role, who = known
         if header not in ALLOWED[role]:
             reason = f"role {role.value} may not send {header.name}"
-            self.drop(self.peer_name(identity), reason)
-            self.send(identity, Header.ERROR, Error(code=ErrorCode.FORBIDDEN.value, message=reason))
+            self.drop(self.members.peer_name(identity), reason)
+            self.outbox.send(identity, Header.ERROR, Error(code=ErrorCode.FORBIDDEN.value, message=reason))
             return
         if role is Role.ENGINE:
-            engine = self.engines.get(who)
+            engine = self.members.engines.get(who)
             if engine is None:  # removed (e.g. timed out) while frames were in flight
-                self.peers.pop(identity, None)
-                self.drop(self.peer_name(identity), f"{header.name} from an engine that was removed")
-                self.liveness.hello_required(self, identity, now)
+                self.members.peers.pop(identity, None)
+                self.drop(self.members.peer_name(identity), f"{header.name} from an engine that was removed")
+                self.liveness.hello_required(identity, now)
                 return
             engine.last_seen = now
             self._engine_message(engine, header, body, now)
         else:
-            client = self.clients[who]
+            client = self.members.clients[who]
             client.last_seen = now
             self._client_message(client, identity, header, body, now)
 
@@ -235,9 +201,9 @@ class CoordinatorCore:
         elif header is Header.RESULT_ACK:
             self.flow.on_result_ack(client, body)
         elif header is Header.STATUS:
-            self.send(identity, Header.STATUS_REPLY, self.status(body, now))
+            self.outbox.send(identity, Header.STATUS_REPLY, self.status(body, now))
         elif header is Header.HEARTBEAT:
-            self.send(identity, Header.HEARTBEAT, self.heartbeat())
+            self.outbox.send(identity, Header.HEARTBEAT, self.lifecycle.heartbeat())
         else:
             self.verbs.request(client, identity, HEADER_VERBS[header], body)
 
@@ -245,57 +211,21 @@ class CoordinatorCore:
         if header is Header.ENGINE_STEP:
             self.flow.on_step(engine, body)
         elif header is Header.HEARTBEAT:
-            self._on_heartbeat(engine, body, now)
+            self.reports.on_heartbeat(engine, body, now)
         elif header is Header.CONTROL_ACK:
             self.verbs.on_ack(engine, body)
         elif header is Header.DRAINING:
-            self._on_draining(engine, body)
+            self.reports.on_draining(engine)
         elif header is Header.HANDBACK:
             self._on_handback(engine, body)
         elif header is Header.KV_BLOCKS:
             self.flow.handoffs.on_blocks(self.drop, engine, body)
         elif header is Header.KV_EVENTS:
-            self._on_kv_events(engine, body, now)
+            self.reports.on_kv_events(engine, body, now)
         elif header is Header.STATUS:
-            self.send(engine.identity, Header.STATUS_REPLY, self.status(Status(), now))
+            self.outbox.send(engine.identity, Header.STATUS_REPLY, self.status(Status(), now))
 
     # ------------------------------------------------------------------ engines
-
-    def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
-        engine.last_heartbeat = time.time()
-        blocks = engine.kv_blocks_free, engine.kv_blocks_total
-        for name in ("running", "waiting", "kv_blocks_free", "kv_blocks_total", "cached_tokens", "computed_tokens"):
-            value = getattr(body, name)
-            if value is not None:
-                setattr(engine, name, value)
-        if (engine.kv_blocks_free, engine.kv_blocks_total) != blocks:
-            self.candidates.blocks_changed(engine)
-        if body.state:
-            engine.state = body.state
-        if body.stats is not None:
-            engine.stats = body.stats
-            seq = body.stats.get("kv_events_seq")
-            if isinstance(seq, int) and not isinstance(seq, bool):
-                self.kv_index.reported(engine.engine_id, seq, now)
-        if body.metrics is not None:
-            engine.metrics = body.metrics  # passed through to STATUS for the servers' /metrics
-        engine.note_progress(body.progress, now)
-        self.send(engine.identity, Header.HEARTBEAT, self.heartbeat())
-
-    def _on_kv_events(self, engine: EngineRecord, body: KVEvents, now: float) -> None:
-        if body.engine_id != engine.engine_id:
-            self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
-            return
-        problem = self.kv_index.apply(engine.engine_id, body.seq, body.batch, now)
-        if problem is not None:
-            self.drop(engine.engine_id, problem)
-
-    def _on_draining(self, engine: EngineRecord, _body: Draining) -> None:
-        if not engine.draining:
-            engine.draining = True
-            self.policy.forget(engine.engine_id)  # its prefix cache leaves with it
-            logger.info("engine %s is draining: no new requests routed to it (%d assigned)",
-                        engine.engine_id, engine.load)
 
     def _on_handback(self, engine: EngineRecord, body: Handback) -> None:
         if body.engine_id != engine.engine_id:
@@ -309,7 +239,7 @@ class CoordinatorCore:
                 engine.assigned.discard(key)
                 self.flow.requeue(record, f"handed back by engine {engine.engine_id}")
                 moved += 1
-        self.send(engine.identity, Header.HANDBACK, Handback(request_ids=ids), engine.batches)
+        self.outbox.send(engine.identity, Header.HANDBACK, Handback(request_ids=ids), engine.batches)
         if body.final:
             self.remove_engine(engine, "left after draining", expected=True)
         elif moved:
@@ -318,11 +248,10 @@ class CoordinatorCore:
     def remove_engine(self, engine: EngineRecord, reason: str, expected: bool = False) -> None:
         """Take an engine out of the fleet: its requests go back to the queue (in arrival order, ahead of
         newer ones), a verb waiting on it stops waiting."""
-        if self.engines.pop(engine.engine_id, None) is None:
+        if self.members.engines.pop(engine.engine_id, None) is None:
             return
-        self.peers.pop(engine.identity, None)
-        self.policy.forget(engine.engine_id)
-        self.kv_index.drop(engine.engine_id)
+        self.members.peers.pop(engine.identity, None)
+        self.dispatcher.forget(engine.engine_id)
         orphans = sorted((r for k in engine.assigned if (r := self.flow.table.get(k)) is not None),
                          key=lambda r: r.arrival_time, reverse=True)
         engine.assigned.clear()
@@ -337,18 +266,20 @@ class CoordinatorCore:
 
     def status(self, ask: Status, now: float) -> StatusReply:
         """The ``STATUS_REPLY`` body as of ``now`` (each engine's ``stalled_s`` is read off its stall clock)."""
-        engines = sorted(self.engines.values(), key=lambda e: e.slot)
+        engines = sorted(self.members.engines.values(), key=lambda e: e.slot)
+        table, weights, lifecycle = self.flow.table, self.weights, self.lifecycle
         return StatusReply(
-            state=self.state.value,
-            engines=[{**e.describe(), "stalled_s": round(liveness.stalled_for(self, e, now), 3)} for e in engines],
-            queued=self.flow.table.count(Phase.QUEUED),
-            in_flight=self.flow.table.count(Phase.DISPATCHED), completed=self.flow.table.completed,
-            failed=self.flow.table.failed, aborted=self.flow.table.aborted, status_id=ask.status_id, epoch=self.weights.epoch,
-            coordinator_id=self.coordinator_id, routing=self.routing_name, suspend_level=self.suspend_level,
-            clients=sum(1 for c in self.clients.values() if c.identity is not None),
+            state=lifecycle.state.value,
+            engines=[{**e.describe(), "stalled_s": round(self.liveness.stalled_for(e, now), 3)} for e in engines],
+            queued=table.count(Phase.QUEUED), in_flight=table.count(Phase.DISPATCHED), completed=table.completed,
+            failed=table.failed, aborted=table.aborted, status_id=ask.status_id, epoch=weights.epoch,
+            coordinator_id=lifecycle.coordinator_id, routing=self.dispatcher.routing_name,
+            suspend_level=lifecycle.suspend_level,
+            clients=sum(1 for c in self.members.clients.values() if c.identity is not None),
             pending_controls=[op.verb.name for op in self.verbs.queue], dropped_frames=self.drop.total,
-            weights=self.weights.source, refits=self.weights.refits,
-            epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.weights.epoch),
-            incomplete_weights=self.weights.incomplete(engines), stall_timeout=self.stall_timeout,
-            sessions=self.sessions.describe(), expert_groups=self.verbs.wanted_sizes.describe(engines))
+            weights=weights.source, refits=weights.refits,
+            epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != weights.epoch),
+            incomplete_weights=weights.incomplete(engines), stall_timeout=self.deadlines.stall,
+            sessions=self.dispatcher.sessions.describe(),
+            expert_groups=self.verbs.context.wanted_sizes.describe(engines))
 

@@ -17,8 +17,6 @@ only be asked to choose among candidates that include it under the load bound.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import msgspec
 
 from ..wire.lifecycle import FleetState
@@ -26,18 +24,17 @@ from ..wire.submission import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from ..wire.tenancy import WORST_BAND, band_of
-from .core_view import CoreView
 from .candidates import Candidates
+from .effects import Outbox
+from .fleet_weights import FleetWeights
+from .flow import RequestFlow
+from .kv_index import KVIndex
+from .lifecycle import Lifecycle
+from .membership import Membership
 from .peers import EngineRecord
+from .placement import Sessions
 from .requests import Phase, RequestRecord
-from .routing import EngineView, adapter_candidates
-
-
-class Dispatching(CoreView, Protocol):
-    """The core as dispatch sees it: its view, and the engines that may take a request now (:mod:`.candidates`)."""
-
-    candidates: Candidates
-    registrations: int
+from .routing import EngineView, RoutingPolicy, adapter_candidates, make_routing_policy
 
 
 def wire_record(record: RequestRecord) -> EngineRequestOut:
@@ -57,96 +54,127 @@ def wire_record(record: RequestRecord) -> EngineRequestOut:
         routing_indices=None if record.routing is None else RoutingArray.of(record.routing.array()))
 
 
-def dispatch(core: Dispatching, now: float) -> None:
-    """Send queued requests to engines, in queue order, until the queue or the engines' room runs out.
+class Dispatcher:
+    """Routing's state (the policy, the KV index it may read, the sessions' engines, the candidates) and the dispatch
+    pass over the request table. It reads the fleet's members, its lifecycle state and weights, and writes the
+    submissions to the outbox."""
 
-    The candidates are filed again only where something changed since the last pass (:mod:`.candidates`): a
-    heartbeat, a SUBMIT into a full fleet or a step of one engine costs what changed, not a scan of every engine,
-    and ``least_loaded`` takes the least loaded candidate off their heap. A request that needs the candidates listed
-    (a session's, a LoRA adapter's, a disaggregated fleet's, another policy's) lists them. Tenants' requests of a
-    better band look at every engine when no candidate is left (a better band finds room that a worse one does not).
-    """
-    if core.state is not FleetState.RUNNING or not core.engines:
-        return
-    core.sessions.expire(now)
-    table = core.flow.table
-    if not table.count(Phase.QUEUED):
-        return
-    candidates = core.candidates
-    candidates.refresh(core.engines, room_key(core))
-    if not candidates and not table.fair:
-        return
-    colocated = core.flow.handoffs.colocated(core.engines, core.registrations)
-    while (record := table.next_queued(now)) is not None:
-        if record.pinned is not None:
-            engine = core.engines.get(record.pinned)
-            if engine is not None and not candidates.usable(engine):
-                return  # draining (it will leave: then it fails) or loading the fleet's weights: held
+    def __init__(self, *, members: Membership, lifecycle: Lifecycle, weights: FleetWeights, flow: RequestFlow,
+                 outbox: Outbox, routing: str, dispatch_factor: float, sessions: Sessions) -> None:
+        """``routing``: the policy's name (:data:`~.routing.ROUTING_POLICIES`); ``dispatch_factor``: an engine holds
+        at most its capacity times this."""
+        self.members, self.lifecycle, self.weights, self.flow, self.outbox = members, lifecycle, weights, flow, outbox
+        self.routing_name = routing
+        self.kv_index = KVIndex()  # which engine holds which KV block, from their KV events (kv_aware reads it)
+        self.policy: RoutingPolicy = make_routing_policy(routing, self.kv_index)
+        self.sessions = sessions  # a session's engine, for its next request (placement)
+        self.dispatch_factor = float(dispatch_factor)
+        self.candidates = Candidates(self.limit, self.usable)  # the engines that may take a request now
+
+    def limit(self, engine: EngineRecord) -> int:
+        """The requests ``engine`` may hold: a little more than it runs at once."""
+        return max(1, int(engine.capacity * self.dispatch_factor))
+
+    def usable(self, engine: EngineRecord) -> bool:
+        """Whether requests may go to ``engine`` at all: not draining or stopping, serving the fleet's weights."""
+        return not (engine.draining or engine.stopping) and self.weights.served_by(engine)
+
+    def forget(self, engine_id: str) -> None:
+        """``engine_id`` left the fleet: what routing knew of its caches goes with it."""
+        self.policy.forget(engine_id)
+        self.kv_index.drop(engine_id)
+
+    def dispatch(self, now: float) -> None:
+        """Send queued requests to engines, in queue order, until the queue or the engines' room runs out.
+
+        The candidates are filed again only where something changed since the last pass (:mod:`.candidates`): a
+        heartbeat, a SUBMIT into a full fleet or a step of one engine costs what changed, not a scan of every engine,
+        and ``least_loaded`` takes the least loaded candidate off their heap. A request that needs the candidates
+        listed (a session's, a LoRA adapter's, a disaggregated fleet's, another policy's) lists them. Tenants'
+        requests of a better band look at every engine when no candidate is left (a better band finds room that a
+        worse one does not).
+        """
+        engines = self.members.engines
+        if self.lifecycle.state is not FleetState.RUNNING or not engines:
+            return
+        self.sessions.expire(now)
+        table = self.flow.table
+        if not table.count(Phase.QUEUED):
+            return
+        candidates = self.candidates
+        candidates.refresh(engines, self.room_key())
+        if not candidates and not table.fair:
+            return
+        colocated = self.flow.handoffs.colocated(engines, self.members.registrations)
+        while (record := table.next_queued(now)) is not None:
+            if record.pinned is not None:
+                engine = engines.get(record.pinned)
+                if engine is not None and not self.usable(engine):
+                    return  # draining (it will leave: then it fails) or loading the fleet's weights: held
+                band = table.head_band
+                table.pop_queued()
+                if engine is None:
+                    self.flow.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
+                else:
+                    self.send(record, engine, now, band)
+                continue
+            chosen = self._choose(record, colocated, now)
+            if chosen is None:
+                return
+            engine = engines[chosen.engine_id]
+            if record.session_id is not None:
+                self.sessions.bind(record.session_id, engine.engine_id, now)
             band = table.head_band
             table.pop_queued()
-            if engine is None:
-                core.flow.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
-            else:
-                send(core, record, engine, now, band)
-            continue
-        chosen = _choose(core, record, colocated, now)
+            self.send(record, engine, now, band)
+
+    def _choose(self, record: RequestRecord, colocated: bool, now: float) -> EngineView | None:
+        """The engine for ``record`` (None: hold it): the least loaded candidate straight off the heap when nothing
+        but load decides, else what placement or the policy choose among the candidates listed."""
+        candidates, table, members = self.candidates, self.flow.table, self.members
+        if (self.policy.by_load_alone and colocated and record.session_id is None and record.params.lora_name is None
+                and (chosen := candidates.least()) is not None):
+            return chosen
+        pool: list[EngineRecord] = candidates.listed(members.engines.values()) if candidates else []
+        if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
+            band = table.head_band
+            if not table.fair or band is None or band >= WORST_BAND:
+                return None
+            pool = [e for e in members.engines.values() if self.usable(e) and self.band_room(e, band)]
+            if not pool:
+                return None
+        engines = self.flow.handoffs.candidates(members.engines, members.registrations, record, pool)
+        session = record.session_id
+        chosen = self.sessions.choose(session, engines, now) if session is not None and engines else None
         if chosen is None:
-            return
-        engine = core.engines[chosen.engine_id]
-        if record.session_id is not None:
-            core.sessions.bind(record.session_id, engine.engine_id, now)
-        band = table.head_band
-        table.pop_queued()
-        send(core, record, engine, now, band)
-
-
-def _choose(core: Dispatching, record: RequestRecord, colocated: bool, now: float) -> EngineView | None:
-    """The engine for ``record`` (None: hold it): the least loaded candidate straight off the heap when nothing but
-    load decides, else what placement or the policy choose among the candidates listed."""
-    candidates, table = core.candidates, core.flow.table
-    if (core.policy.by_load_alone and colocated and record.session_id is None and record.params.lora_name is None
-            and (chosen := candidates.least()) is not None):
+            chosen = self.policy.select(record, adapter_candidates(record, engines)) if engines else None
         return chosen
-    pool: list[EngineRecord] = candidates.listed(core.engines.values()) if candidates else []
-    if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
-        band = table.head_band
-        if not table.fair or band is None or band >= WORST_BAND:
-            return None
-        pool = [e for e in core.engines.values() if candidates.usable(e) and band_room(core, e, band)]
-        if not pool:
-            return None
-    engines = core.flow.handoffs.candidates(core.engines, core.registrations, record, pool)  # prefill or decode
-    session = record.session_id
-    chosen = core.sessions.choose(session, engines, now) if session is not None and engines else None
-    if chosen is None:
-        chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
-    return chosen
 
+    def room_key(self) -> tuple[object, ...]:
+        """What moves whenever an engine may have become usable other than by a request leaving it: an engine
+        registered or left, the fleet's weights moved (a refit makes an engine that caught up eligible). Draining and
+        stopping only take room away."""
+        weights = self.weights
+        return (self.members.registrations, len(self.members.engines), weights.epoch, weights.source,
+                weights.refits)
 
-def room_key(core: Dispatching) -> tuple[object, ...]:
-    """What moves whenever an engine may have become usable other than by a request leaving it: an engine registered
-    or left, the fleet's weights moved (a refit makes an engine that caught up eligible). Draining and stopping only
-    take room away."""
-    return core.registrations, len(core.engines), core.weights.epoch, core.weights.source, core.weights.refits
+    def send(self, record: RequestRecord, engine: EngineRecord, now: float, band: int | None) -> None:
+        """Dispatch the queued request the table just popped to ``engine``, counted there in ``band`` (None: its own
+        class's, ``standard`` for an untenanted request)."""
+        table = self.flow.table
+        if record.params.tenant is not None:
+            table.fair.charge(record)
+        table.dispatched(record, engine.engine_id)
+        if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
+            engine.stall_clock = now
+        engine.assigned.add(record.request_id, band_of(record.params.tenant) if band is None else band)
+        blocks, body = self.flow.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+        for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
+            self.outbox.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
+        self.outbox.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
+        self.candidates.file(engine)  # its load moved: filed under it, or out when it is full
 
-
-def send(core: Dispatching, record: RequestRecord, engine: EngineRecord, now: float, band: int | None) -> None:
-    """Dispatch the queued request the table just popped to ``engine``, counted there in ``band`` (None: its own class's,
-    ``standard`` for an untenanted request)."""
-    if record.params.tenant is not None:
-        core.flow.table.fair.charge(record)
-    core.flow.table.dispatched(record, engine.engine_id)
-    if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
-        engine.stall_clock = now
-    engine.assigned.add(record.request_id, band_of(record.params.tenant) if band is None else band)
-    blocks, body = core.flow.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
-    for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
-        core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
-    core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
-    core.candidates.file(engine)  # its load moved: filed under it, or out when it is full
-
-
-def band_room(core: Dispatching, engine: EngineRecord, band: int) -> bool:
-    """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
-    ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
-    return engine.assigned.held(band) < core.candidates.limit(engine)
+    def band_room(self, engine: EngineRecord, band: int) -> bool:
+        """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
+        ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
+        return engine.assigned.held(band) < self.limit(engine)

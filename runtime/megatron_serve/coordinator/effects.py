@@ -13,6 +13,7 @@ from typing import Iterable
 
 from ..wire.handshake import Hello
 from ..wire.protocol import Header, ProtocolError, encode
+from ..wire.status import Heartbeat
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -54,6 +55,11 @@ class Outbox:
             logger.error("cannot send %s: %s", header.name, exc)
             return
         self._effects.append(Send(identity, frame, batch))
+
+    def probe(self, identity: bytes, heartbeat: Heartbeat, hello: tuple[bytes, Hello] | None = None) -> None:
+        """Test whether a peer's connection is still there (a send to a gone one fails) with ``heartbeat``; ``hello``:
+        an engine's HELLO that waits for the answer."""
+        self._effects.append(Probe(identity, encode(Header.HEARTBEAT, heartbeat), hello))
 
     def add(self, effects: Iterable[Effect]) -> None:
         self._effects.extend(effects)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from .requests import Phase
 
 if TYPE_CHECKING:
-    from .core_view import CoreView
+    from .flow import RequestFlow
     from .peers import EngineRecord
+    from .routing import RoutingPolicy
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -89,16 +90,17 @@ def scale_refused(engines: dict[str, dict[str, Any]]) -> str | None:
     return f"SCALE_EP refused by engine {refusals[0][0]}{more}: {refusals[0][1]}"
 
 
-def leave(core: CoreView, engine: EngineRecord, handed_back: list[Any]) -> None:
-    """``engine`` leaves its expert-parallel group: nothing more is routed to it, and the requests it handed back are
-    resubmitted to the others (what it still holds when it exits is resubmitted then, as for any engine gone)."""
+def leave(policy: RoutingPolicy, flow: RequestFlow, engine: EngineRecord, handed_back: list[Any]) -> None:
+    """``engine`` leaves its expert-parallel group: nothing more is routed to it (``policy`` forgets its caches), and
+    the requests it handed back are resubmitted to the others through ``flow`` (what it still holds when it exits is
+    resubmitted then, as for any engine gone)."""
     if not engine.draining:
         engine.draining = True
-        core.policy.forget(engine.engine_id)
+        policy.forget(engine.engine_id)
     for key in handed_back:
-        record = core.flow.table.get(key) if isinstance(key, str) else None
+        record = flow.table.get(key) if isinstance(key, str) else None
         if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
             engine.assigned.discard(key)
-            core.flow.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
+            flow.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
     logger.info("engine %s leaves its expert-parallel group (SCALE_EP): %d request(s) handed back", engine.engine_id,
                 len(handed_back))

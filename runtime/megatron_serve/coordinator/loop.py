@@ -68,7 +68,7 @@ class Coordinator:
         """``insecure``: serve without a fleet secret (no authentication, no encryption: benchmarks only);
         without it, a coordinator given no secret raises :class:`InsecureRefused`."""
         self.core = CoordinatorCore(**core_options)  # type: ignore[arg-type]
-        check_secret(self.core.secret, insecure)
+        check_secret(self.core.members.secret, insecure)
         self.host = host
         self.port = port
         self.max_message_bytes = int(max_message_bytes)
@@ -88,12 +88,12 @@ class Coordinator:
     def bind(self) -> str:
         """Bind the ROUTER (port 0 = any free port) and return the address peers should connect to."""
         sock = self.ctx.socket(zmq.ROUTER)
-        if self.core.secret is not None:
+        if self.core.members.secret is not None:
             if self._authenticator is None:
                 self._authenticator = ThreadAuthenticator(self.ctx)
                 self._authenticator.start()
                 self._authenticator.configure_curve(domain="*", location=CURVE_ALLOW_ANY)  # HELLO proves the rest
-            secure_server(sock, self.core.secret)
+            secure_server(sock, self.core.members.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         keep_alive(sock)
         sock.setsockopt(zmq.LINGER, 0)
@@ -118,10 +118,11 @@ class Coordinator:
         self.address = f"tcp://{shown}:{self.port}"
         core = self.core
         logger.info("coordinator %s listening on %s (routing %s, %s, heartbeat timeout %.1fs, verb timeout "
-                    "%.1fs, stall timeout %.1fs)", core.coordinator_id, self.address, core.routing_name,
-                    "encrypted, fleet secret required" if core.secret else "INSECURE", core.heartbeat_timeout,
-                    core.verb_timeout, core.stall_timeout)
-        if core.secret is None:
+                    "%.1fs, stall timeout %.1fs)", core.lifecycle.coordinator_id, self.address,
+                    core.dispatcher.routing_name,
+                    "encrypted, fleet secret required" if core.members.secret else "INSECURE", core.deadlines.heartbeat,
+                    core.deadlines.verb, core.deadlines.stall)
+        if core.members.secret is None:
             logger.warning("INSECURE (--insecure): no authentication and no encryption on %s: anyone who can reach it "
                            "can register as an engine, read every prompt and answer, and pause, stop or refit the "
                            "fleet. For benchmarks only; give the fleet a secret instead (%s)", self.address,
@@ -183,25 +184,27 @@ class Coordinator:
                     if self._backlog and not outbox:
                         break  # full queues: retried on the next pass
         finally:
-            logger.info("coordinator %s stopping (%d requests in its table)", core.coordinator_id, len(core.flow.table))
+            logger.info("coordinator %s stopping (%d requests in its table)", core.lifecycle.coordinator_id,
+                        len(core.flow.table))
             self.close()
 
     def _on_frame(self, identity_frame: zmq.Frame, frame: zmq.Frame) -> list[Effect]:
         identity = identity_frame.bytes
         effects: list[Effect] = []
         key = None
-        if self.core.secret is not None:  # the connection's key, from the handshake (0.6 us a frame)
+        if self.core.members.secret is not None:  # the connection's key, from the handshake (0.6 us a frame)
             key = frame.get("User-Id").encode()
-            proven = self.core.proven.get(identity)
+            proven = self.core.members.proven.get(identity)
             if proven is not None and proven != key:  # another connection took this routing id: the old one left
                 effects = self._gone(identity, "its routing id now belongs to another connection")
         try:
             message = decode(frame.buffer, TO_COORDINATOR, self.max_message_bytes)
         except ProtocolError as exc:
-            self.core.drop(self.core.peer_name(identity), str(exc))
+            self.core.drop(self.core.members.peer_name(identity), str(exc))
             return effects
         effects += self.core.on_message(identity, message, time.monotonic(), key)
-        if identity not in self._fds and identity in self.core.peers:  # only peers are probed (CoordinatorCore.probe)
+        # only peers are probed (CoordinatorCore.probe)
+        if identity not in self._fds and identity in self.core.members.peers:
             try:
                 self._fds[identity] = frame.get(zmq.SRCFD)
             except zmq.ZMQError:

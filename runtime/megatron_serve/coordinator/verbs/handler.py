@@ -18,8 +18,14 @@ from ...wire.controls import Control
 if TYPE_CHECKING:
     from ...wire.lifecycle import Step
     from ...wire.protocol import ErrorCode
-    from ..core_view import CoreView
+    from ..deadlines import Deadlines
+    from ..dispatch import Dispatcher
+    from ..effects import Outbox
     from ..expert_group import WantedSizes
+    from ..fleet_weights import FleetWeights
+    from ..flow import RequestFlow
+    from ..lifecycle import Lifecycle
+    from ..membership import Membership, RemoveEngine
     from ..peers import EngineRecord
 
 #: Each engine's facts in a verb's answer (engine id -> what its acknowledgements said, ``group``, ``state``).
@@ -28,9 +34,18 @@ EngineFacts = dict[str, dict[str, Any]]
 
 @dataclass(frozen=True)
 class VerbContext:
-    """What a handler works on: the core's state and actions, and what verbs keep from one to the next."""
+    """What the verbs work on, each part named: the fleet's members, its lifecycle state and weights, the request flow
+    (PAUSE's drain and abort), routing (what it knows of engines' caches), the deadlines of steps, the outbox the
+    steps and answers go to, the core's removal of an engine, and what verbs keep from one to the next."""
 
-    core: CoreView
+    members: Membership
+    lifecycle: Lifecycle
+    weights: FleetWeights
+    flow: RequestFlow
+    routing: Dispatcher
+    deadlines: Deadlines
+    outbox: Outbox
+    remove_engine: RemoveEngine
     wanted_sizes: WantedSizes  # SCALE_EP's sizes, per expert-parallel group (in STATUS)
 
 

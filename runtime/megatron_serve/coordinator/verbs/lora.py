@@ -39,7 +39,7 @@ class LoraVerb(VerbHandler):
         return None if self.body.lora_name else f"{self.verb_name} needs a non-empty lora_name"
 
     def refusal_at_start(self, context: VerbContext) -> Refusal | None:
-        if not context.core.engines:
+        if not context.members.engines:
             return Refusal(ErrorCode.LORA_NOT_FOUND,
                            f"{self.body.lora_name!r}: no engine is connected to serve LoRA adapters")
         return None
@@ -57,7 +57,7 @@ class LoraVerb(VerbHandler):
         if self.failed:
             return Refusal(ErrorCode.LORA_REFUSED, f"{self.verb_name} {self.body.lora_name!r} failed on "
                                                    f"{named(self.failed)}", {**detail, "failed": dict(self.failed)})
-        self.keep(context.core.weights.loaded_loras)
+        self.keep(context.weights.loaded_loras)
         return None
 
     def keep(self, loaded: dict[str, str]) -> None:
@@ -94,7 +94,7 @@ class UnloadLoraVerb(LoraVerb):
     verb_name = "UNLOAD_LORA"
 
     def refusal_at_start(self, context: VerbContext) -> Refusal | None:
-        engines = context.core.engines.values()
+        engines = context.members.engines.values()
         if engines and not any(self.body.lora_name in (e.loras or {}) for e in engines):
             return Refusal(ErrorCode.LORA_NOT_FOUND,
                            f"the LoRA adapter {self.body.lora_name!r} cannot be found: no engine serves it")

@@ -29,10 +29,10 @@ class SuspendVerb(VerbHandler):
     def message(self, context: VerbContext, step: Step, control_id: str) -> Control:
         if step is not Step.SUSPEND:  # from RUNNING it pauses first
             return Control(control_id=control_id)
-        return Suspend(control_id=control_id, level=context.core.suspend_level, keep_kv=self.keep_kv or None)
+        return Suspend(control_id=control_id, level=context.lifecycle.suspend_level, keep_kv=self.keep_kv or None)
 
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
-        detail["level"] = context.core.suspend_level
+        detail["level"] = context.lifecycle.suspend_level
         return None
 
 
@@ -48,10 +48,9 @@ class ResetPrefixCacheVerb(VerbHandler):
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
         engines: EngineFacts = detail["engines"]
         detail.update(noop=False, reset=all(f.get("reset") is True for f in engines.values()))
-        core = context.core
         for engine_id, facts in engines.items():
-            if facts.get("reset") is True and engine_id in core.engines:
-                core.policy.forget(engine_id)  # nothing of it can be found again (its KV events say so too)
+            if facts.get("reset") is True and engine_id in context.members.engines:
+                context.routing.policy.forget(engine_id)  # nothing of it can be found again (its KV events say so too)
         return None
 
 
@@ -74,4 +73,4 @@ class StopVerb(VerbHandler):
         return [(engine, body) for engine in engines]
 
     def acked(self, context: VerbContext, step: Step, engine: EngineRecord, facts: dict[str, Any]) -> None:
-        context.core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
+        context.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure

@@ -49,15 +49,14 @@ class PauseVerb(VerbHandler):
     def started(self, context: VerbContext, previous_state: str, now: float) -> None:
         """What the mode does before the step (the fleet's state is already the target: no dispatch)."""
         self.facts["mode"] = self.mode.value
-        core = context.core
         if self.mode is PauseMode.ABORT:
-            self.facts["aborted"] = core.flow.abort_unfinished(f"aborted by PAUSE (mode abort) in {previous_state}")
+            self.facts["aborted"] = context.flow.abort_unfinished(f"aborted by PAUSE (mode abort) in {previous_state}")
         elif self.mode is PauseMode.WAIT:
             drain = DEFAULT_PAUSE_DRAIN_TIMEOUT if self.drain_timeout is None else self.drain_timeout
             if previous_state == FleetState.RUNNING.value:
                 self.started_at, self.drain_until = now, now + drain
             else:  # paused engines do not step: what they hold cannot finish, there is nothing to wait for
-                self.facts.update(waited_s=0.0, unfinished=core.flow.table.count(Phase.DISPATCHED), timed_out=False)
+                self.facts.update(waited_s=0.0, unfinished=context.flow.table.count(Phase.DISPATCHED), timed_out=False)
 
     @property
     def holding(self) -> bool:
@@ -67,7 +66,7 @@ class PauseVerb(VerbHandler):
         """True while requests still run and the drain time has not passed; counts what it waited for."""
         if self.drain_until is None:
             return False
-        running = context.core.flow.table.count(Phase.DISPATCHED)
+        running = context.flow.table.count(Phase.DISPATCHED)
         if running and now < self.drain_until:
             return True
         waited = now - self.started_at  # the verb started then; its step is broadcast only now

@@ -22,7 +22,6 @@ from ...wire.protocol import ErrorCode
 from .handler import EngineFacts, Refusal, VerbContext, VerbHandler, named, verify_refused
 
 if TYPE_CHECKING:
-    from ..core_view import CoreView
     from ..peers import EngineRecord
 
 
@@ -48,25 +47,24 @@ class RefitVerb(VerbHandler):
         return None if self.rendezvous is None else self.rendezvous.problem()
 
     def refusal_at_start(self, context: VerbContext) -> Refusal | None:
-        core = context.core
-        if not core.engines:
+        if not context.members.engines:
             return Refusal(ErrorCode.REFIT_FAILED,
                            "REFIT needs at least one connected engine to verify the new weights")
         if self.epoch is None and not self.pushes_adapter:
-            self.epoch = core.weights.epoch + 1
+            self.epoch = context.weights.epoch + 1
         return None
 
     def message(self, context: VerbContext, step: Step, control_id: str) -> Control:
         if step is Step.REFIT_LOAD and self.rendezvous is None:
             # Every engine verified the source: from now on it is the fleet's weights, also for engines that
             # register while (or after) the others load it.
-            self._commit(context.core)
+            self._commit(context)
         return Refit(control_id=control_id, source=self.source or "", epoch=self.epoch, phase=STEPS[step].phase,
                      rendezvous=self.rendezvous)
 
-    def _commit(self, core: CoreView) -> None:
-        core.weights.epoch, core.weights.source = int(self.epoch or 0), self.source
-        core.weights.refits += 1
+    def _commit(self, context: VerbContext) -> None:
+        context.weights.epoch, context.weights.source = int(self.epoch or 0), self.source
+        context.weights.refits += 1
 
     def fan_out(self, context: VerbContext, step: Step, engines: list[EngineRecord], body: Control,
                 facts: EngineFacts) -> list[tuple[EngineRecord, Control]]:
@@ -104,7 +102,7 @@ class RefitVerb(VerbHandler):
             # It verified the source but could not load it: its weights cannot be trusted. Removing it
             # re-queues its requests; it registers again and loads the fleet's weights, or exits.
             self.failed[engine.engine_id] = str(facts["error"])
-            context.core.remove_engine(engine, f"REFIT load failed: {facts['error']}")
+            context.remove_engine(engine, f"REFIT load failed: {facts['error']}")
         elif not self.pushes_adapter:
             engine.epoch, engine.weights = int(self.epoch or 0), self.source
             engine.stats = {**engine.stats, "peer_store": facts.get("peer_store")}  # before its next heartbeat
@@ -113,48 +111,49 @@ class RefitVerb(VerbHandler):
     def refusal_after(self, context: VerbContext, step: Step, facts: EngineFacts) -> Refusal | None:
         who = verify_refused(step, Step.REFIT_VERIFY, facts)
         return None if who is None else Refusal(
-            ErrorCode.REFIT_FAILED, f"REFIT refused by {who}; the fleet keeps serving epoch {context.core.weights.epoch}")
+            ErrorCode.REFIT_FAILED, f"REFIT refused by {who}; the fleet keeps serving epoch {context.weights.epoch}")
 
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
-        core = context.core
         rendezvous = self.rendezvous
         if rendezvous is not None:
             if self.failed:
-                return self._transfer_failed(core, detail)
+                return self._transfer_failed(context, detail)
             if not self.pushes_adapter:
-                self._commit(core)
-        detail.update(noop=False, epoch=core.weights.epoch, source=core.weights.source)
+                self._commit(context)
+        detail.update(noop=False, epoch=context.weights.epoch, source=context.weights.source)
         engines: EngineFacts = detail["engines"]
         if rendezvous is not None and rendezvous.lora is not None:
             detail["lora"] = {"name": rendezvous.lora.name, "version": rendezvous.lora.version}
-            self._keep_pushed(core, rendezvous.lora.name, {f.get("lora_path") for f in engines.values()})
+            self._keep_pushed(context, rendezvous.lora.name, {f.get("lora_path") for f in engines.values()})
         for push in (rendezvous.adapters or ()) if rendezvous is not None else ():
             detail.setdefault("adapters", {})[push.name] = push.version
-            self._keep_pushed(core, push.name, {(f.get("lora_paths") or {}).get(push.name) for f in engines.values()})
+            self._keep_pushed(context, push.name,
+                              {(f.get("lora_paths") or {}).get(push.name) for f in engines.values()})
         if self.failed:
             detail["failed"] = dict(self.failed)
         return None
 
-    def _transfer_failed(self, core: CoreView, detail: dict[str, Any]) -> Refusal:
+    def _transfer_failed(self, context: VerbContext, detail: dict[str, Any]) -> Refusal:
         """A trainer's refit that failed on some engine: refused, with what every engine holds now."""
-        incomplete = core.weights.incomplete(core.engines.values())
+        incomplete = context.weights.incomplete(context.members.engines.values())
         message = f"REFIT from {self.source} failed on {named(self.failed)}; "
         if incomplete:
             message += (f"engine(s) {', '.join(incomplete)} hold incomplete weights: the fleet stays "
-                        f"{core.state.value} and UNPAUSE is refused until a refit completes")
+                        f"{context.lifecycle.state.value} and UNPAUSE is refused until a refit completes")
         else:
-            message += f"no weights were changed: the fleet keeps serving epoch {core.weights.epoch}"
-        detail.update(epoch=core.weights.epoch, source=self.source, failed=dict(self.failed), incomplete_weights=incomplete)
-        for engine_id in list(core.engines):
-            core.policy.forget(engine_id)
+            message += f"no weights were changed: the fleet keeps serving epoch {context.weights.epoch}"
+        detail.update(epoch=context.weights.epoch, source=self.source, failed=dict(self.failed),
+                      incomplete_weights=incomplete)
+        for engine_id in list(context.members.engines):
+            context.routing.policy.forget(engine_id)
         return Refusal(ErrorCode.REFIT_FAILED, message, detail)
 
-    def _keep_pushed(self, core: CoreView, name: str, paths: set[str | None]) -> None:
+    def _keep_pushed(self, context: VerbContext, name: str, paths: set[str | None]) -> None:
         """After a push every engine took (alone, or in a policy refit): when they all stored it in one directory
         (``--lora-push-dir``; ``paths``: what each engine said), engines that register later load it from there, like
         a LOAD_LORA's adapter (engine.lora_store); otherwise a directory recorded for the name would serve an older
         version, so it is dropped."""
         if len(paths) == 1 and None not in paths and not self.failed:
-            core.weights.loaded_loras[name] = paths.pop()
+            context.weights.loaded_loras[name] = paths.pop()
         else:
-            core.weights.loaded_loras.pop(name, None)
+            context.weights.loaded_loras.pop(name, None)

@@ -21,12 +21,10 @@ from ...wire.handshake import Error
 from ...wire.lifecycle import (NEEDS_WHOLE_WEIGHTS, STEPS, WEIGHTS_INCOMPLETE, Deadline, FleetState,
                                IllegalTransition, Step, Verb, transition)
 from ...wire.protocol import VERB_HEADERS, ErrorCode, Header
-from ..expert_group import WantedSizes
 from .handler import EngineFacts, Refusal, VerbContext, VerbHandler
 from .table import HANDLERS
 
 if TYPE_CHECKING:
-    from ..core_view import CoreView
     from ..peers import ClientRecord, EngineRecord
 
 logger = logging.getLogger("megatron_serve.coordinator")
@@ -64,18 +62,17 @@ class ControlOp:
 
 
 class VerbRunner:
-    """Queue and run the verbs of one coordinator (``core``: its state, sends and removals)."""
+    """Queue and run the verbs of one coordinator, over the parts of it that ``context`` names."""
 
-    def __init__(self, core: CoreView) -> None:
-        self.core = core
-        self.wanted_sizes = WantedSizes()
-        self.context = VerbContext(core, self.wanted_sizes)
+    def __init__(self, context: VerbContext) -> None:
+        self.context = context
+        self._due = False  # an input left the verb at the head something to look at (see settle)
         self.queue: collections.deque[ControlOp] = collections.deque()
         # control id -> (what it asked, the answer)
         self.completed: collections.OrderedDict[Any, tuple[RequestKey, Header, Any]] = collections.OrderedDict()
 
     def request(self, client: ClientRecord, identity: bytes, verb: Verb, body: Control) -> None:
-        core = self.core
+        context = self.context
         control_id = body.control_id
         key: RequestKey = (verb, msgspec.msgpack.encode(body))
         answered = self.completed.get(control_id)
@@ -85,28 +82,28 @@ class VerbRunner:
             self._refuse_reuse(identity, control_id, verb, first[0])
             return
         if answered is not None:  # a retry after a reconnect: answer again
-            core.send(identity, answered[1], answered[2])
+            context.outbox.send(identity, answered[1], answered[2])
             return
         if running is not None:
             return  # in progress; the answer goes to the client's current connection
         handler = HANDLERS[verb](body)
         problem = handler.problem(self.context)
         if problem is not None:
-            core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=problem,
+            context.outbox.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=problem,
                                                     control_id=control_id))
             return
         self.queue.append(ControlOp(control_id=control_id, verb=verb, client_id=client.client_id, key=key,
                                     handler=handler))
         logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], verb.name,
-                    core.state.value)
-        core.advance_verbs()
+                    context.lifecycle.state.value)
+        self._due = True
 
     def _refuse_reuse(self, identity: bytes, control_id: Any, verb: Verb, first: Verb) -> None:
         what = f"for {first.name}" if first is not verb else f"for a {verb.name} with other arguments"
         message = f"control id {control_id!r} was already used {what}: each {verb.name} needs a control id of its own"
         logger.warning("%s refused: %s", verb.name, message)
-        self.core.send(identity, Header.ERROR, Error(code=ErrorCode.CONTROL_ID_REUSED.value, message=message,
-                                                     control_id=control_id))
+        self.context.outbox.send(identity, Header.ERROR, Error(code=ErrorCode.CONTROL_ID_REUSED.value, message=message,
+                                                               control_id=control_id))
 
     # ------------------------------------------------------------------ running
 
@@ -137,6 +134,15 @@ class VerbRunner:
             self.queue.popleft()
             self._complete(op)
 
+    def settle(self, now: float) -> None:
+        """Run what the input left the verbs to do: a verb arrived or an engine acknowledged or left (each marks the
+        runner due), or a PAUSE waits for running requests (any input may have ended the last)."""
+        if self.draining:
+            self._due = True
+        while self._due:
+            self._due = False
+            self.advance(now)
+
     @property
     def draining(self) -> bool:
         """The verb at the head holds its step back for running requests (any input may end that)."""
@@ -144,13 +150,13 @@ class VerbRunner:
 
     def _start(self, op: ControlOp, now: float) -> bool:
         """Plan ``op`` from the table and move the fleet's state; False when it was refused."""
-        core = self.core
+        context = self.context
         try:
-            planned = transition(core.state, op.verb)
+            planned = transition(context.lifecycle.state, op.verb)
         except IllegalTransition as exc:
             refusal: Refusal | None = Refusal(ErrorCode.ILLEGAL_TRANSITION, str(exc))
         else:
-            incomplete = core.weights.incomplete(core.engines.values())
+            incomplete = context.weights.incomplete(context.members.engines.values())
             refusal = (Refusal(ErrorCode.WEIGHTS_INCOMPLETE,
                                WEIGHTS_INCOMPLETE.format(verb=op.verb.name, engines=", ".join(incomplete)))
                        if op.verb in NEEDS_WHOLE_WEIGHTS and incomplete else op.handler.refusal_at_start(self.context))
@@ -159,13 +165,14 @@ class VerbRunner:
             logger.info("%s refused: %s", op.verb.name, refusal.message)
             self._refuse(op, refusal)
             return False
-        previous_level = core.suspend_level if core.state is FleetState.SUSPENDED else 0
-        op.previous_state = core.state.value
+        lifecycle = context.lifecycle
+        previous_level = lifecycle.suspend_level if lifecycle.state is FleetState.SUSPENDED else 0
+        op.previous_state = lifecycle.state.value
         op.steps = planned.steps
-        core.suspend_level = (max(previous_level, op.handler.level) if planned.target is FleetState.SUSPENDED
-                              else 0)
-        op.noop = planned.target is core.state and core.suspend_level == previous_level
-        core.state = planned.target
+        lifecycle.suspend_level = (max(previous_level, op.handler.level) if planned.target is FleetState.SUSPENDED
+                                   else 0)
+        op.noop = planned.target is lifecycle.state and lifecycle.suspend_level == previous_level
+        lifecycle.state = planned.target
         op.step_index = 0
         op.handler.started(self.context, op.previous_state, now)
         return True
@@ -173,25 +180,25 @@ class VerbRunner:
     def _broadcast(self, op: ControlOp, now: float) -> None:
         """Send the current step to the engines the verb names (every connected one, unless it says otherwise);
         each one must acknowledge it."""
-        core = self.core
+        context = self.context
         op.step_started = now
         body = op.handler.message(self.context, op.step, f"{op.control_id}#{op.step_index}")
         header = VERB_HEADERS[STEPS[op.step].verb]
-        for engine, message in op.handler.fan_out(self.context, op.step, list(core.engines.values()), body,
+        for engine, message in op.handler.fan_out(self.context, op.step, list(context.members.engines.values()), body,
                                                   op.engines):
-            core.send(engine.identity, header, message)
+            context.outbox.send(engine.identity, header, message)
             op.waiting.add(engine.engine_id)
             op.engines.setdefault(engine.engine_id, {"group": engine.group})
 
     def deadline(self, op: ControlOp) -> float:
         """Seconds an engine may take to acknowledge the current step (its kind is in the lifecycle table)."""
         kind = STEPS[op.step].deadline
-        core = self.core
+        context = self.context
         if kind is Deadline.DRAIN:
-            return core.verb_timeout + op.handler.drain_s()
+            return context.deadlines.verb + op.handler.drain_s()
         if kind is Deadline.WEIGHTS:
-            return max(core.verb_timeout, core.weights_timeout)
-        return core.verb_timeout
+            return max(context.deadlines.verb, context.deadlines.weights)
+        return context.deadlines.verb
 
     def overdue(self, now: float) -> list[EngineRecord]:
         """Engines that missed the current step's deadline (noted as unresponsive in the verb's answer)."""
@@ -200,7 +207,7 @@ class VerbRunner:
         op = self.queue[0]
         if now - op.step_started <= self.deadline(op):
             return []
-        late = [e for e in self.core.engines.values() if e.engine_id in op.waiting]
+        late = [e for e in self.context.members.engines.values() if e.engine_id in op.waiting]
         op.unresponsive.extend(e.engine_id for e in late)
         return late
 
@@ -218,19 +225,19 @@ class VerbRunner:
         facts.update(body.detail or {})
         facts["state"] = engine.state
         op.handler.acked(self.context, op.step, engine, facts)
-        self.core.advance_verbs()
+        self._due = True
 
     def on_engine_removed(self, engine: EngineRecord, reason: str) -> None:
         for op in self.queue:
             if engine.engine_id in op.waiting:
                 op.waiting.discard(engine.engine_id)
                 op.engines.setdefault(engine.engine_id, {"group": engine.group})["lost"] = reason
-        self.core.advance_verbs()
+        self._due = True
 
     # ------------------------------------------------------------------ answers
 
     def _complete(self, op: ControlOp) -> None:
-        core = self.core
+        context = self.context
         detail: dict[str, Any] = {"previous_state": op.previous_state, "noop": op.noop, "engines": op.engines}
         released = [f["released_bytes"] for f in op.engines.values() if isinstance(f.get("released_bytes"), int)]
         if released:
@@ -242,15 +249,15 @@ class VerbRunner:
             return
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
-        logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state, core.state.value,
-                    len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
+        logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
+                    context.lifecycle.state.value, len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
         if op.handler.forgets_routing:  # no block of the old weights is found again, in any tier: routing starts over
-            for engine_id in list(core.engines):
-                core.policy.forget(engine_id)
-        elif core.state is FleetState.SUSPENDED:  # device pools freed: what a host tier took stays
-            for engine in list(core.engines.values()):
-                core.policy.suspended(engine)
-        self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=core.state.value,
+            for engine_id in list(context.members.engines):
+                context.routing.policy.forget(engine_id)
+        elif context.lifecycle.state is FleetState.SUSPENDED:  # device pools freed: what a host tier took stays
+            for engine in list(context.members.engines.values()):
+                context.routing.policy.suspended(engine)
+        self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=context.lifecycle.state.value,
                                                         detail=detail))
 
     def _refuse(self, op: ControlOp, refusal: Refusal) -> None:
@@ -261,6 +268,6 @@ class VerbRunner:
         self.completed[op.control_id] = (op.key, header, body)
         while len(self.completed) > _COMPLETED_KEPT:
             self.completed.popitem(last=False)
-        client = self.core.clients.get(op.client_id)
+        client = self.context.members.clients.get(op.client_id)
         if client is not None and client.identity is not None:
-            self.core.send(client.identity, header, body)
+            self.context.outbox.send(client.identity, header, body)

@@ -22,19 +22,19 @@ class ScaleEpVerb(VerbHandler):
     message_type = ScaleEp
 
     def problem(self, context: VerbContext) -> str | None:
-        return scale_problem(context.core.engines.values(), self.body.size)
+        return scale_problem(context.members.engines.values(), self.body.size)
 
     @property
     def size(self) -> int:
         return self.body.size or 0
 
     def message(self, context: VerbContext, step: Step, control_id: str) -> Control:
-        context.wanted_sizes.asked(context.core.engines.values(), self.size)
+        context.wanted_sizes.asked(context.members.engines.values(), self.size)
         return ScaleEp(control_id=control_id, size=self.size)
 
     def acked(self, context: VerbContext, step: Step, engine: EngineRecord, facts: dict[str, Any]) -> None:
         if facts.get("leaving"):
-            leave(context.core, engine, facts.get("handed_back") or [])
+            leave(context.routing.policy, context.flow, engine, facts.get("handed_back") or [])
 
     def answer(self, context: VerbContext, detail: dict[str, Any]) -> Refusal | None:
         engines: EngineFacts = detail["engines"]
