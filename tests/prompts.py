@@ -1,4 +1,4 @@
-"""Prompts the engine and model tests run, and a helper that steps requests with different parameters together."""
+"""Prompts the engine and model tests run, and the helpers that step requests in one engine until they finish."""
 
 from __future__ import annotations
 
@@ -20,7 +20,13 @@ PROMPTS = [
 
 def run_requests(engine, jobs: list[tuple[str, SamplingParams]]) -> list[DynamicInferenceRequest]:
     """Requests with different parameters stepped together in one engine until all finish."""
-    requests = [DynamicInferenceRequest(str(i), p, engine.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
+    return run_to_end(engine, [DynamicInferenceRequest(str(i), p, engine.tokenizer.encode(p), sp)
+                               for i, (p, sp) in enumerate(jobs)])
+
+
+def run_to_end(engine, requests: list[DynamicInferenceRequest]) -> list[DynamicInferenceRequest]:
+    """Add ``requests`` to ``engine`` (an engine in this process) and step it until every one has finished; the
+    requests, filled in by the steps."""
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished_requests():

@@ -6,6 +6,8 @@ from __future__ import annotations
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 
+from ..prompts import run_to_end
+
 
 def engine_on(model_dir: str, speculative: dict | None) -> DynamicInferenceEngine:
     return DynamicInferenceEngine.from_model_dir(
@@ -18,10 +20,7 @@ def greedy_runs(engine: DynamicInferenceEngine, prompts: list[list[int]], tag: s
     requests = [DynamicInferenceRequest(f"{tag}{i}", None, prompt, SamplingParams(
         temperature=0.0, num_tokens_to_generate=count, ignore_eos=True, return_log_probs=True))
         for i, prompt in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
     return [(request.generated_tokens, request.generated_log_probs) for request in requests]
 
 

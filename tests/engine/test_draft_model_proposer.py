@@ -14,6 +14,7 @@ from megatron_serve.engine.speculative.draft_model import DraftModelProposer, Vo
 from megatron_serve.engine.speculative.proposer import DraftInput
 from megatron_serve.model.loader import iterate_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
+from ..prompts import run_to_end
 
 CONFIG = InferenceConfig(device="cpu", dtype="float32")
 PROMPTS = [[7, 42, 99, 3, 250, 18, 77], [300], list(range(10, 60)), [5, 5, 5, 5, 9, 9, 9, 9, 11, 12, 13, 14, 15, 16,
@@ -121,10 +122,7 @@ def speculative_run(model_dir: str, draft_dir: str | None, prompts: list[list[in
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
         temperature=0.0, num_tokens_to_generate=count, ignore_eos=True)) for i, prompt in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
     counters = {key: value for key, value in engine.stats.counters.items() if key.startswith("spec_decode")}
     engine.shutdown()
     return [request.generated_tokens for request in requests], counters

@@ -25,7 +25,7 @@ from megatron_serve.engine.output import step_delta
 from megatron_serve.wire.messages import RequestDelta
 from megatron_serve.wire.request import FinalRecord
 
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_to_end
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True, return_log_probs=True)
 
@@ -150,11 +150,7 @@ def run_alone_and_together(engine: DynamicInferenceEngine, prompts: list, params
     tokenizer = engine.tokenizer
     requests = [DynamicInferenceRequest(f"r{i}", None, tokenizer.encode(p) if isinstance(p, str) else p, params)
                 for i, p in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return requests
+    return run_to_end(engine, requests)
 
 
 def test_over_long_prompt_fails_alone(tiny_llama):

@@ -17,7 +17,7 @@ from megatron_serve.model.tiny import make_tiny_model
 
 from ..hf_greedy import greedy_choices
 from ..lora_adapters import make_peft_adapter, peft_model
-from ..prompts import PROMPTS, run_requests
+from ..prompts import PROMPTS, run_requests, run_to_end
 
 NEW_TOKENS = 12
 RANKS = (4, 8, 16)
@@ -144,10 +144,7 @@ def test_load_and_unload_while_requests_run(base, adapters):
     engine.adapters.load("r16", adapters["r16"])
     late = [DynamicInferenceRequest(name, PROMPTS[2], engine.tokenizer.encode(PROMPTS[2]), _greedy(name))
             for name in ("r8", "r16")]
-    for request in late:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, late)
     assert running.generated_tokens == expected.generated_tokens
     assert late[0].finish_reason.value != "length" and "'r8' is not loaded" in str(late[0].error)
     alone, = run_requests(_engine(base, {"r16": adapters["r16"]}), [(PROMPTS[2], _greedy("r16"))])

@@ -17,6 +17,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.wire.request import FinishReason
+from ..prompts import run_to_end
 
 # K pinned (adaptive off): these tests assert that drafts were proposed and accepted, which the adaptive policy
 # may rightly decline on a tiny CPU model (tests/engine/test_speculative_adaptive.py covers it)
@@ -48,11 +49,7 @@ def looping(rng: random.Random, **kwargs) -> SamplingParams:
 def run(engine: DynamicInferenceEngine, prompts: list[list[int]], params: list[SamplingParams]
         ) -> list[DynamicInferenceRequest]:
     requests = [DynamicInferenceRequest(f"r{i}", None, list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return requests
+    return run_to_end(engine, requests)
 
 
 def outputs(requests: list[DynamicInferenceRequest]) -> list[tuple]:

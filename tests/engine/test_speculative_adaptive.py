@@ -21,6 +21,7 @@ from megatron_serve.engine.speculative import adaptive, decoder
 from megatron_serve.engine.speculative.adaptive import (CONFIDENT_TRIALS, PLAIN_COLD, PLAIN_NEEDED, PLAIN_REFRESH, PLAIN_SAMPLE, PROBE_BUDGET,
                                                          PROBE_MIN, RECHECK, RECHECK_MAX, AdaptiveK, PinnedK, bucket)
 from megatron_serve.wire.engine_stats import EngineStats
+from ..prompts import run_to_end
 
 K = 4
 
@@ -219,10 +220,7 @@ def test_a_decline_on_thin_evidence_is_probed_again_soon_and_on_enough_within_th
 def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     requests = [DynamicInferenceRequest(f"r{i}", None, list(p), SamplingParams(
         temperature=0.0, ignore_eos=True, num_tokens_to_generate=tokens)) for i, p in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
     return [r.generated_tokens for r in requests]
 
 

@@ -10,7 +10,7 @@ from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
 
 from ..graph_replay import install_graphs
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_to_end
 
 K = 3
 MIXED_SIZES = [8, 16, 32]
@@ -22,10 +22,7 @@ def _run(model: str, speculative: SpeculativeConfig | None, graphs: bool):
     capture = install_graphs(engine, [1, 2, 4], mixed_sizes=MIXED_SIZES) if graphs else None
     requests = [DynamicInferenceRequest(f"r{i}", None, engine.tokenizer.encode(prompt), SamplingParams(
         temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)) for i, prompt in enumerate(PROMPTS[:4])]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
     accepted = engine.stats.counters["spec_decode_num_accepted_tokens"]
     engine.shutdown()
     return [r.generated_tokens for r in requests], capture, accepted

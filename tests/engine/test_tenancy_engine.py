@@ -11,7 +11,7 @@ from megatron_serve import DynamicInferenceRequest, EventType, InferenceConfig, 
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.wire.tenancy import TenantTag
 
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_to_end
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
 BULK, CHAT = TenantTag("bulk", "sheddable"), TenantTag("chat", "critical")
@@ -74,11 +74,7 @@ def test_a_critical_prompts_prefix_cache_hit_survives_a_sheddable_flood(tiny_lla
         params = msgspec.structs.replace(short, tenant=tag) if tagged else short
         requests = [DynamicInferenceRequest(request_id=f"{name}{i}", prompt=None, prompt_tokens=prompt,
                                             sampling_params=params) for i, prompt in enumerate(prompts)]
-        for request in requests:
-            engine.add_request(request)
-        while engine.has_unfinished_requests():
-            engine.step()
-        return requests
+        return run_to_end(engine, requests)
 
     assert run("c0", [system + [5, 6]], CHAT)[0].cached_tokens == 0
     flood = run("f", [[5 + i] + [40 + j % 50 for j in range(62)] for i in range(8)], BULK)  # 4 blocks each

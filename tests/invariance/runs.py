@@ -11,6 +11,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine.core import DynamicInferenceEngine
 
 from ..devices import tensor_parallel_device
+from ..prompts import run_to_end
 
 TARGET_TOKENS = 16
 PREFIX = 32  # tokens of the target's prompt a warm-up request leaves in the prefix cache (two 16-token blocks)
@@ -113,10 +114,7 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
 
 def run_all(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest]) -> None:
     """Add every request, step until all finished."""
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
 
 
 def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: bool) -> list[float]:

@@ -31,6 +31,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..prompts import run_to_end
 from .reference import sampling_distribution
 
 DRAWS = 5_000
@@ -76,10 +77,7 @@ def test_seeded_draws_follow_transformers_softmax(sampling_model, parity):
         num_kv_blocks=1100, enable_cuda_graphs=False))
     requests = [DynamicInferenceRequest(str(seed), None, list(PROMPT), SamplingParams(**params, seed=seed),
                                         generated_tokens=list(earlier)) for seed in range(DRAWS)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_end(engine, requests)
     drawn = torch.tensor([r.generated_tokens[-1] for r in requests])
     assert all(len(r.generated_tokens) == len(earlier) + 1 for r in requests)
     counts = torch.bincount(drawn, minlength=expected.numel())
