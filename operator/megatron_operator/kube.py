@@ -170,10 +170,13 @@ class Kube:
         return await self._run("PATCH", _url(api_version, kind, namespace, name), patch,
                                "application/merge-patch+json")
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str,
+                     propagation: str = "Background") -> None:
+        """Delete one object; ``propagation`` is the garbage collector's policy for what it owns (``Orphan`` keeps
+        it)."""
         try:
             await self._run("DELETE", _url(api_version, kind, namespace, name),
-                            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+                            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation})
         except KubeError as exc:
             if exc.status != 404:
                 raise

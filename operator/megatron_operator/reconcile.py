@@ -12,7 +12,9 @@
   deleted, highest first; their engines drain the same way. So are a group's objects of the other
   workload kind (a gang moving between StatefulSet and LeaderWorkerSet when that CRD comes or goes).
 - A patch the API server refuses as invalid (an immutable field changed) deletes the object,
-  and the next pass creates it again.
+  and the next pass creates it again. A StatefulSet is deleted with its pods orphaned: the new one
+  (same name, same selector) adopts them, so their engines serve on through the recreate and its
+  requests in flight are not touched; a template that changed with it then rolls as any other.
 """
 
 from __future__ import annotations
@@ -260,9 +262,12 @@ class Reconciler:
             patched = await self.kube.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch)
         except KubeError as exc:
             if exc.status == 422:  # an immutable field differs: replace the object
-                await self.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+                keep = obj["kind"] == "StatefulSet"  # its pods, for the new one to adopt
+                await self.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"],
+                                       propagation="Orphan" if keep else "Background")
                 result.writes += 1
-                result.events.append(("Warning", "Recreating", f"Deleted {label} to recreate it: {exc}"))
+                kept = " (its pods kept for the new one)" if keep else ""
+                result.events.append(("Warning", "Recreating", f"Deleted {label} to recreate it{kept}: {exc}"))
                 return live
             raise
         result.writes += 1

@@ -108,8 +108,9 @@ def test_a_missing_rbac_rule_is_named_in_the_operators_error(fleet: Fleet):
 
 def test_an_immutable_statefulset_field_is_recreated(fleet: Fleet):
     """A StatefulSet whose immutable fields differ from what the operator renders (as an older operator made it):
-    the real API server answers the patch with 422, which the emulator never did, and the operator deletes and
-    recreates it; the StatefulSet controller brings its pod back on a GPU node."""
+    the real API server answers the patch with 422, which the emulator never did, and the operator deletes it with
+    its pod orphaned and creates it again; the new StatefulSet's controller adopts the same pod (streams through such
+    a recreate: test_real_recreate_in_flight.py)."""
     kubectl = fleet.kubectl
     resource = example("single-gpu.yaml", kubectl.namespace)
     fleet.prerequisites(resource)
@@ -127,6 +128,7 @@ def test_an_immutable_statefulset_field_is_recreated(fleet: Fleet):
                                            "blockOwnerDeletion": True}]
     kubectl.apply([old])
     first = kubectl.get("statefulset", engine)["metadata"]["uid"]
+    (pod,) = until(lambda: _placed(fleet, 1), 90, "the older StatefulSet's pod on a GPU node")
 
     patch = kubectl.run("patch", "statefulset", engine, "--type=merge", "-p",
                         '{"spec":{"podManagementPolicy":"Parallel"}}', check=False)
@@ -137,7 +139,9 @@ def test_an_immutable_statefulset_field_is_recreated(fleet: Fleet):
                       60, "the StatefulSet recreated")
     assert recreated["spec"]["podManagementPolicy"] == "Parallel"
     until(lambda: any(e.get("reason") == "Recreating" for e in kubectl.events(NAME)), 30, "the Recreating Event")
-    until(lambda: _placed(fleet, 1), 90, "the engine pod back on a GPU node")
+    (adopted,) = until(lambda: (p := _placed(fleet, 1)) and (p[0]["metadata"].get("ownerReferences") or [{}])[0]
+                       .get("uid") == recreated["metadata"]["uid"] and p, 90, "the pod adopted by the new StatefulSet")
+    assert adopted["metadata"]["uid"] == pod["metadata"]["uid"]  # never deleted
     assert "Traceback" not in operator.log(), operator.log()[-3000:]
 
 
