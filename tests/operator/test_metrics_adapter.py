@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+import kubernetes_validate
 import pytest
 from aiohttp import web
 
@@ -26,7 +27,11 @@ from megatron_operator.metrics_adapter import api
 from megatron_operator.metrics_adapter.front_proxy import FrontProxy, server_context
 from megatron_operator.metrics_adapter.rules import DEFAULT_RULES, parse_rule, rules_by_name
 from megatron_operator.metrics_adapter.server import MetricsAdapter, build_app
+from megatron_serve.cli import parse_args
 from tests.helpers import free_port
+
+from .helpers import ROOT, load_yaml
+from .test_operator_chart import K8S_VERSION
 
 EXPOSITION = """\
 # HELP megatron_serve_queue_depth requests queued at the coordinator
@@ -40,6 +45,7 @@ megatron_serve_num_requests_waiting{engine_group="1",model_name="m"} 1.5
 """
 MI = f"megatroninferences.{GROUP}"
 BASE = f"/apis/{api.GROUP_VERSION}/namespaces/ns"
+MONITORING = ROOT / "manifests" / "examples" / "monitoring"
 
 
 def test_a_rule_sums_every_label_set_and_counts_an_absent_series_as_zero():
@@ -202,3 +208,31 @@ def test_the_command_refuses_a_bad_flag_naming_it(flag: str, says: str, tmp_path
     done = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "metrics-adapter", "--tls-cert-file=x",
                            "--tls-private-key-file=y", flag], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and says in done.stderr, done.stderr
+
+
+def test_the_in_cluster_example_registers_the_adapter_and_the_hpa_example_reads_what_it_serves():
+    """manifests/examples/monitoring/metrics-adapter.yaml and hpa-requests.yaml: valid objects (strict), the
+    Deployment's arguments parsed by the command itself, the APIService pointing at the Service, and the HPA asking
+    for a metric and a kind the adapter serves."""
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in load_yaml(MONITORING / "metrics-adapter.yaml")}
+    (hpa,) = load_yaml(MONITORING / "hpa-requests.yaml")
+    for obj in [*objects.values(), hpa]:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    deployment = objects["Deployment", "megatron-metrics-adapter"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_args(container["args"])
+    assert (args.command, args.secure_port) == ("metrics-adapter", container["ports"][0]["containerPort"])
+    registered = objects["APIService", "v1beta2.custom.metrics.k8s.io"]["spec"]
+    assert (registered["group"], registered["version"]) == (api.API_GROUP, api.API_VERSION)
+    service = objects["Service", registered["service"]["name"]]
+    assert service["metadata"]["namespace"] == registered["service"]["namespace"]
+    assert service["spec"]["ports"][0]["port"] == registered["service"]["port"]
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    binding = objects["RoleBinding", "megatron-metrics-adapter-auth-reader"]
+    assert binding["metadata"]["namespace"] == "kube-system"
+    assert binding["subjects"][0]["name"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["object"]["metric"]["name"] in rules_by_name(DEFAULT_RULES)
+    described = metric["object"]["describedObject"]
+    assert (described["kind"], described["apiVersion"]) == (api.DESCRIBED[MI].kind, api.DESCRIBED[MI].api_version)
+    assert described["name"] == hpa["spec"]["scaleTargetRef"]["name"]
