@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 from collections import Counter
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
@@ -44,6 +44,25 @@ def http_get(url: str, **kwargs: Any) -> httpx.Response:
 def http_post(url: str, **kwargs: Any) -> httpx.Response:
     """``httpx.post`` as :func:`http_get`."""
     return httpx.post(url, verify=False, **kwargs)
+
+
+def poll_ready(url: str, timeout: float, dead: Callable[[], str | None], late: Callable[[], str],
+               interval: float = 0.2) -> None:
+    """Poll ``url``/ready until it answers 200. ``dead()`` says why the server can no longer come up (its process
+    exited), or None; the wait fails with that at once, or with ``late()`` once ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if http_get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        reason = dead()
+        if reason is not None:
+            raise AssertionError(reason)
+        if time.monotonic() > deadline:
+            raise AssertionError(late())
+        time.sleep(interval)
 
 
 def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -121,6 +140,16 @@ def rank_processes(engine_pid: int) -> list[int]:
         elif command(child) == command(engine_pid):
             ranks.append(child)
     return ranks
+
+
+def greedy_tokens(model_dir: str, prompts: list[str], params: SamplingParams, **config: Any) -> list[list[int]]:
+    """The tokens an in-process engine of ``model_dir`` (64 KV blocks; ``config``: more ``InferenceConfig`` fields)
+    generates for ``prompts``: what a fleet serving that checkpoint must answer."""
+    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415 - torch, only for the tests that run a model
+    from megatron_serve.config import InferenceConfig  # noqa: PLC0415
+
+    with MegatronLLM(model_dir, InferenceConfig(**{"num_kv_blocks": 64, **config})) as llm:
+        return [r.generated_tokens for r in llm.generate(prompts, params)]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
@@ -208,6 +237,22 @@ class Children:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@contextlib.contextmanager
+def process_fleet(log_dir: Path, model: str, engines: list[tuple[str, ...]]) -> Iterator[SimpleNamespace]:
+    """A coordinator of ``model`` and one engine per entry of ``engines`` (its extra flags), each a process of its own,
+    all killed at exit: ``address``, ``port``, ``model``, ``children`` (their :class:`Children`, holding the fleet
+    secret) and ``engines`` (the engines' processes)."""
+    children = Children(log_dir)
+    port = free_port()
+    children.coordinator(model, port)
+    procs = [children.engine(model, port, *extra) for extra in engines]
+    try:
+        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, model=model, children=children,
+                              engines=procs)
+    finally:
+        children.kill_all()
 
 
 class Recorder:

@@ -25,7 +25,7 @@ import httpx
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
-from tests.helpers import free_port, http_get
+from tests.helpers import free_port, http_get, poll_ready
 
 
 @dataclass
@@ -165,16 +165,8 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
         proc.stdout.close()
     url = f"http://127.0.0.1:{port}"
     stack = RunStack(proc, url, model="", log=log, tmp=tmp, env=env)
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, f"run exited with {proc.returncode}: {stack.output()[-3000:]}"
-        try:
-            if http_get(f"{url}/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, stack.output()[-3000:]
-        time.sleep(0.2)
+    poll_ready(url, 300, lambda: None if proc.poll() is None else
+               f"run exited with {proc.returncode}: {stack.output()[-3000:]}", lambda: stack.output()[-3000:])
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     stack.model = http_get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     return stack

@@ -14,7 +14,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from tests.server.fakes import wait_until
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = (".venv/.installed-runtime", ".venv/.installed-test", ".venv-verl/.installed")

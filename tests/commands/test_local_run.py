@@ -24,7 +24,7 @@ from megatron_serve.commands import local_runs
 from megatron_serve.commands.control import next_step
 from megatron_serve.wire.protocol import DEFAULT_PORT
 from tests.realmodel.shared import gguf_cache_home
-from tests.server.fakes import wait_until
+from tests.helpers import wait_until
 from tests.server.test_openai_e2e import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

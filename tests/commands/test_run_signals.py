@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port
-from tests.server.fakes import wait_until
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

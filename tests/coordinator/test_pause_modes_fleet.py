@@ -24,7 +24,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port, until
+from ..helpers import process_fleet, until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,15 +36,8 @@ SHORT = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=Tr
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("pause-modes-logs"))
-    port = free_port()
-    children.coordinator(tiny_model, port)
-    for _ in range(2):
-        children.engine(tiny_model, port, "--max-requests", "2")
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", model=tiny_model, children=children)
-    finally:
-        children.kill_all()
+    with process_fleet(tmp_path_factory.mktemp("pause-modes-logs"), tiny_model, [("--max-requests", "2")] * 2) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient, StreamPartial
-from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import Children, free_port
+from ..helpers import greedy_tokens, process_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,27 +41,15 @@ def checkpoints(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def direct(checkpoints):
-    from megatron_serve.client.llm import MegatronLLM
-
-    def outputs(model_dir):
-        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
-            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
-
-    a, b = outputs(checkpoints.a), outputs(checkpoints.b)
+    a, b = greedy_tokens(checkpoints.a, PROMPTS, GREEDY), greedy_tokens(checkpoints.b, PROMPTS, GREEDY)
     assert a != b
     return SimpleNamespace(a=a, b=b)
 
 
 @pytest.fixture(scope="module")
 def fleet(checkpoints, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("refit-fleet-logs"))
-    port = free_port()
-    children.coordinator(checkpoints.a, port)
-    engines = [children.engine(checkpoints.a, port) for _ in range(2)]
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, children=children, engines=engines)
-    finally:
-        children.kill_all()
+    with process_fleet(tmp_path_factory.mktemp("refit-fleet-logs"), checkpoints.a, [(), ()]) as fleet:
+        yield fleet
 
 
 async def generate(client: InferenceClient) -> list[list[int]]:

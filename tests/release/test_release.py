@@ -32,7 +32,7 @@ import pytest
 import uv
 import yaml
 
-from tests.server.fakes import wait_until
+from tests.helpers import wait_until
 from tests.server.test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

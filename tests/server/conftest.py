@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -20,7 +19,7 @@ from megatron_serve.server.runner import bind_socket, serve_app
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
-from ..helpers import free_port, http_get
+from ..helpers import free_port, poll_ready
 from ..processes import start_cli, stop_process_group
 from ..run_stack import RunStack, start_run
 
@@ -74,18 +73,9 @@ async def surface(tiny_model: str, tokenizer: Tokenizer, app_options: dict[str, 
 
 def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 240.0) -> None:
     """Poll ``url``/ready until 200; fail with the process's output if it exits or the time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{output.read_text()}")
-        try:
-            if http_get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{proc.args} not ready in time:\n{output.read_text()}")
-        time.sleep(0.2)
+    poll_ready(url, timeout, lambda: None if proc.poll() is None else
+               f"{proc.args} exited with {proc.returncode}:\n{output.read_text()}",
+               lambda: f"{proc.args} not ready in time:\n{output.read_text()}")
 
 
 @contextlib.contextmanager

@@ -146,14 +146,6 @@ class FakeBackend:
             task.cancel()
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 async def async_wait_until(predicate, timeout: float, what: str, interval: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -27,9 +27,8 @@ from megatron_serve.commands import local_runs
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import http_get
+from ..helpers import http_get, wait_until
 from .conftest import metric, wait_ready
-from .fakes import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -27,7 +25,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.server import serve_async_llm
 from megatron_serve.server.rl import RL_ADMIN_PATHS
 
-from ..helpers import http_get
+from ..helpers import http_get, poll_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,17 +65,8 @@ def served_url(tiny_model):
     thread = threading.Thread(target=main, name="serve", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if http_get(f"{url}/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert thread.is_alive(), "serve_async_llm died during start-up"
-        assert time.monotonic() < deadline, "serve() did not become ready"
-        time.sleep(0.05)
-        time.sleep(0.1)
+    poll_ready(url, 120, lambda: None if thread.is_alive() else "serve_async_llm died during start-up",
+               lambda: "serve() did not become ready", interval=0.1)
     try:
         yield url
     finally:

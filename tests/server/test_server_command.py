@@ -18,8 +18,7 @@ import pytest
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.security import make_secret
 
-from ..helpers import http_get, http_post
-from .fakes import wait_until
+from ..helpers import http_get, http_post, wait_until
 from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

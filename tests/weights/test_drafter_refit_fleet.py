@@ -17,13 +17,11 @@ import pytest
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.client.llm import MegatronLLM
-from megatron_serve.config import InferenceConfig
 from megatron_serve.model.loader import iterate_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port, until
+from ..helpers import greedy_tokens, process_fleet, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,28 +33,17 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=Tr
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("drafter-refit")
     a, b, d = (str(make_tiny_model(root / name, seed=seed)) for name, seed in (("a", 0), ("b", 1), ("d", 2)))
-
-    def outputs(model_dir):
-        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
-            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
-
-    expected = SimpleNamespace(a=outputs(a), b=outputs(b))
+    expected = SimpleNamespace(a=greedy_tokens(a, PROMPTS, GREEDY), b=greedy_tokens(b, PROMPTS, GREEDY))
     assert expected.a != expected.b
     return SimpleNamespace(a=a, b=b, d=d, expected=expected)
 
 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("drafter-refit-logs"))
-    port = free_port()
-    children.coordinator(models.a, port)
     spec = json.dumps({"method": "draft_model", "model": models.d, "num_speculative_tokens": 3,
                        "adaptive": False})  # K pinned: the test counts drafts under each epoch
-    children.engine(models.a, port, "--speculative-config", spec)
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
-    finally:
-        children.kill_all()
+    with process_fleet(tmp_path_factory.mktemp("drafter-refit-logs"), models.a, [("--speculative-config", spec)]) as fleet:
+        yield fleet
 
 
 def tensors(model_dir: str) -> list:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from megatron_serve.model.lora.checkpoint import WEIGHTS_FILE
 from megatron_serve.model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import process_fleet
 from ..lora_adapters import make_peft_adapter, peft_model
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4"]
@@ -117,15 +116,9 @@ def test_a_nan_adapter_is_refused_where_it_is_read(tiny_llama, tmp_path):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("finite-logs"))
-    port = free_port()
-    children.coordinator(tiny_llama, port)
-    children.engine(tiny_llama, port, "--enable-lora", "--max-lora-rank", "8", "--lora-allowed-dirs",
-                    str(tmp_path_factory.getbasetemp()))
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
-    finally:
-        children.kill_all()
+    engine = ("--enable-lora", "--max-lora-rank", "8", "--lora-allowed-dirs", str(tmp_path_factory.getbasetemp()))
+    with process_fleet(tmp_path_factory.mktemp("finite-logs"), tiny_llama, [engine]) as fleet:
+        yield fleet
 
 
 async def serves(client: InferenceClient) -> list[list[int]]:

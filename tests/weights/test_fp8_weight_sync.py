@@ -22,7 +22,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
-from ..helpers import Children, free_port
+from ..helpers import process_fleet
 from ..fp8_checkpoints import block_fp8_checkpoint
 from .test_weight_sync_fleet import PROMPTS, run_trainer
 
@@ -48,15 +48,10 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("fp8-weight-sync-logs"))
-    port = free_port()
-    children.coordinator(models.a_fp8, port)
-    children.engine(models.a_fp8, port, "--group", "0", "--device", DEVICE, *FP8_KV)
-    children.engine(models.a_fp8, port, "--group", "1", "--tensor-parallel", "2", "--device", DEVICE, *FP8_KV)
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
-    finally:
-        children.kill_all()
+    engines = [("--group", "0", "--device", DEVICE, *FP8_KV),
+               ("--group", "1", "--tensor-parallel", "2", "--device", DEVICE, *FP8_KV)]
+    with process_fleet(tmp_path_factory.mktemp("fp8-weight-sync-logs"), models.a_fp8, engines) as fleet:
+        yield fleet
 
 
 async def assert_serves(client: InferenceClient, expected: list[tuple[list[int], list[float]]], epoch: int) -> None:

@@ -23,7 +23,7 @@ from megatron_serve.client.outputs import StreamPartial
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import process_fleet
 from ..lora_adapters import make_peft_adapter, peft_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -60,15 +60,10 @@ def versions(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("lora-push-logs"))
-    port = free_port()
-    children.coordinator(tiny_llama, port)
-    children.engine(tiny_llama, port, "--enable-lora", "--max-loras", "3", "--max-lora-rank", str(RANK),
-                    "--max-lora-versions", "2", "--num-kv-blocks", "256")
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
-    finally:
-        children.kill_all()
+    engine = ("--enable-lora", "--max-loras", "3", "--max-lora-rank", str(RANK), "--max-lora-versions", "2",
+              "--num-kv-blocks", "256")
+    with process_fleet(tmp_path_factory.mktemp("lora-push-logs"), tiny_llama, [engine]) as fleet:
+        yield fleet
 
 
 async def stream(client: InferenceClient, prompt: str, params: SamplingParams, started: asyncio.Event):

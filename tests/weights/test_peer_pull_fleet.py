@@ -21,13 +21,11 @@ from safetensors.torch import load_file
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.client.llm import MegatronLLM
-from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, greedy_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -36,8 +34,7 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=Tr
 
 
 def outputs(model_dir: str) -> list[list[int]]:
-    with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
-        return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+    return greedy_tokens(model_dir, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")

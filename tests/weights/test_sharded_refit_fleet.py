@@ -27,14 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.client.llm import MegatronLLM
-from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
-from ..helpers import Children, free_port, until
+from ..helpers import Children, free_port, greedy_tokens, until
 from .forked import run_forked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -50,8 +48,7 @@ EMBEDDING = "model.embed_tokens.weight"
 
 def outputs(model_dir: str, **config) -> list[list[int]]:
     """Greedy outputs of an in-process engine."""
-    with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64, **config)) as llm:
-        return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+    return greedy_tokens(model_dir, PROMPTS, GREEDY, **config)
 
 
 def rewritten(model_dir: str, out: Path, change) -> str:

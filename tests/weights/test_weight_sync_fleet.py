@@ -21,13 +21,11 @@ import pytest
 import torch
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.config import InferenceConfig
-from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve import WeightSender
 
-from ..helpers import Children, free_port, until
+from ..helpers import greedy_tokens, process_fleet, until
 from .forked import run_forked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,27 +41,16 @@ BUCKET = 64 << 10  # a few buckets for a tiny model, so that a trainer can die b
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight-sync")
     a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
-
-    def outputs(model_dir):
-        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
-            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
-
-    expected = SimpleNamespace(a=outputs(a), b=outputs(b))
+    expected = SimpleNamespace(a=greedy_tokens(a, PROMPTS, GREEDY), b=greedy_tokens(b, PROMPTS, GREEDY))
     assert expected.a != expected.b
     return SimpleNamespace(a=a, b=b, expected=expected)
 
 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("weight-sync-logs"))
-    port = free_port()
-    children.coordinator(models.a, port)
-    engines = [children.engine(models.a, port, "--group", "0"),
-               children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2")]
-    try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, children=children, engines=engines)
-    finally:
-        children.kill_all()
+    engines = [("--group", "0"), ("--group", "1", "--tensor-parallel", "2")]
+    with process_fleet(tmp_path_factory.mktemp("weight-sync-logs"), models.a, engines) as fleet:
+        yield fleet
 
 
 def run_trainer(fleet, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
