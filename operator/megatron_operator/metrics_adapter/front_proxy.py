@@ -6,7 +6,7 @@ The aggregation layer authenticates and authorizes the caller (the HPA controlle
 ConfigMap ``kube-system/extension-apiserver-authentication`` (readable through the Role
 ``extension-apiserver-authentication-reader``): a request is admitted when its TLS peer presented a certificate that
 CA signed, with an allowed common name. Anything else that reaches the port (it serves on the pod network) is
-refused with 401.
+refused with 401. The ConfigMap is read once, at start: restart the adapter after rotating the front proxy's CA.
 """
 
 from __future__ import annotations
