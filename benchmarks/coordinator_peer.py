@@ -14,6 +14,11 @@ finished record, as ``EngineProcess`` sends them). Prompts are token ids on both
 coordinator tokenizes; Megatron's detokenizes every result (its design), with a tokenizer as
 cheap as the text our fake engines attach.
 
+At fleet scale (``--only ours --engines 1000``: issue 86) the one engines process holds a socket per engine, past
+libzmq's default of 1,023 a context and the usual 1,024 open files (both raised here), each heartbeating every
+second; ``--verbs`` then times PAUSE, REFIT (verify and load), SUSPEND, RESUME and UNPAUSE, every fake engine
+acknowledging each step at once, over ``--verb-rounds`` rounds (``fleet_scale.py --verbs`` times the core alone).
+
 Scenarios, each ``--requests`` requests: ``burst`` (all submitted at once), ``c64`` (64 in flight,
 closed loop), ``c1`` (one at a time). Reported per coordinator and scenario: requests per second,
 latency p50/p99 (submission to result, at the client) and the coordinator process's CPU time per
@@ -23,6 +28,7 @@ ratios and their median (this shared machine has slow spells that move one run's
     python benchmarks/coordinator_peer.py                  # 5,000 requests, 4 engines, all scenarios
     python benchmarks/coordinator_peer.py --only ours --scenarios c64 --profile /tmp/prof  # py-spy the coordinator
     python benchmarks/coordinator_peer.py --baseline insecure --repeat 5   # what the fleet secret costs
+    python benchmarks/coordinator_peer.py --only ours --engines 1000 --verbs   # 1,000 engines, and the verbs there
 
 ``ours`` is a secure fleet, as every fleet is by default (a fleet secret: every connection CURVE-
 encrypted, every peer proving the secret; ``megatron_serve.wire.security``); ``--baseline insecure``
@@ -42,6 +48,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -155,11 +162,20 @@ def start_py_spy(pid: int, out_dir: str | None, seconds: float) -> Callable[[str
 # ----------------------------------------------------------------------------- this project's side
 
 
+def raise_open_files() -> None:
+    """A coordinator of 1,000 engines holds a connection each, and their process a socket each: past the usual soft
+    limit of 1,024 open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+
 def ours_coordinator(pipe: Any, secret: str | None) -> None:
     import logging
 
     from megatron_serve.coordinator import Coordinator, serve
 
+    raise_open_files()
     logging.basicConfig(level=logging.ERROR)  # the insecure side warns, loudly
     coordinator = Coordinator(host="127.0.0.1", port=0, token=secret, insecure=secret is None)
     pipe.send(coordinator.bind())
@@ -174,7 +190,11 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
     from megatron_serve.wire.security import PeerKeys, fleet_secret, hello_credentials
     from megatron_serve.wire.transport import secure_client
 
+    _verb_states()
+
+    raise_open_files()
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, count + 64)  # libzmq's default is 1,023 sockets a context
     socks, ids = [], {}
     poller = zmq.Poller()
     fleet = fleet_secret(secret)
@@ -209,6 +229,9 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
                                      else (message,)):
                     if header is Header.HELLO_ACK:
                         ids[sock] = body.engine_id
+                    elif header in VERB_STATES:  # a lifecycle step: done at once, in the state it leads to
+                        sock.send(encode(Header.CONTROL_ACK, {"control_id": body.control_id,
+                                                              "state": VERB_STATES[header], "engine_id": ids[sock]}))
                     elif header is Header.ENGINE_SUBMIT:
                         record = msgspec.msgpack.decode(body.request)  # an EngineRequest, as engines decode it
                         record.update(generated_tokens=[7], generated_text=" 7", status="COMPLETED",
@@ -237,7 +260,9 @@ async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:
     client = InferenceClient(address, token=secret)
     try:
         await client.start(timeout=60)
-        await client.wait_for_engines(args.engines, timeout=60, poll=0.05)
+        started = time.perf_counter()
+        await client.wait_for_engines(args.engines, timeout=60 + args.engines * 0.5, poll=0.05)
+        print(f"  {args.engines} engines registered in {time.perf_counter() - started:.1f}s", file=sys.stderr)
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 
         async def submit(i: int) -> Any:
@@ -246,10 +271,56 @@ async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:
                 raise RuntimeError(f"request failed: {result.error}")
             return result
 
-        return await measure("ours" if secure else "insecure", submit, coordinator.pid, args)
+        rows = await measure("ours" if secure else "insecure", submit, coordinator.pid, args)
+        if args.verbs and secure:
+            for _ in range(args.verb_rounds):
+                VERB_TIMES.append(await verb_times(client, coordinator.pid, args.engines))
+        return rows
     finally:
         client.close()
         end(engines, coordinator)
+
+
+#: What a fake engine reports after each lifecycle step: the state it leads to (a REFIT keeps the fleet's).
+VERB_STATES: dict[Any, str] = {}
+#: The verbs timed, in an order in which each is legal; their wall-clock times, one dict per run.
+VERB_ORDER = ("PAUSE", "REFIT", "SUSPEND", "RESUME", "UNPAUSE")
+VERB_TIMES: list[dict[str, float]] = []
+
+
+def _verb_states() -> None:
+    from megatron_serve.wire.protocol import Header
+
+    VERB_STATES.update({Header.PAUSE: "PAUSED", Header.REFIT: "PAUSED", Header.SUSPEND: "SUSPENDED",
+                        Header.RESUME: "PAUSED", Header.UNPAUSE: "RUNNING"})
+
+
+async def verb_times(client: Any, coordinator_pid: int, engines: int, idle_window: float = 3.0
+                     ) -> dict[str, float]:
+    """Each verb of :data:`VERB_ORDER`, from the client's call to the fleet's acknowledgement (wall seconds, under
+    its name), every engine acknowledging each step at once; and the coordinator process's CPU seconds for it
+    (``NAME cpu``), less what its idle fleet's heartbeats cost over the same time (measured over ``idle_window``
+    seconds first: 1,000 engines send 1,000 a second)."""
+    timeout = 60.0
+    calls = {"PAUSE": lambda: client.pause(timeout=timeout), "REFIT": lambda: client.refit("/weights/step-2",
+                                                                                         timeout=timeout),
+             "SUSPEND": lambda: client.suspend(timeout=timeout), "RESUME": lambda: client.resume(timeout=timeout),
+             "UNPAUSE": lambda: client.unpause(timeout=timeout)}
+    times: dict[str, float] = {}
+    cpu = cpu_seconds(coordinator_pid)
+    await asyncio.sleep(idle_window)
+    idle = (cpu_seconds(coordinator_pid) - cpu) / idle_window  # CPU seconds a second
+    for name in VERB_ORDER:
+        cpu, started = cpu_seconds(coordinator_pid), time.perf_counter()
+        ack = await calls[name]()
+        times[name] = time.perf_counter() - started
+        times[f"{name} cpu"] = max(0.0, cpu_seconds(coordinator_pid) - cpu - idle * times[name])
+        if ack.get("detail", {}).get("unresponsive"):
+            raise RuntimeError(f"{name}: engines did not acknowledge: {ack['detail']['unresponsive']}")
+    status = await client.status()
+    if status["state"] != "RUNNING" or len(status["engines"]) != engines:
+        raise RuntimeError(f"after the verbs: {status['state']} with {len(status['engines'])} of {engines} engines")
+    return times
 
 
 # ----------------------------------------------------------------------------- Megatron's side
@@ -420,6 +491,15 @@ async def main(args: argparse.Namespace) -> None:
     report(rows, args.baseline)
     if args.repeat > 1:
         paired_ratios(runs, args.baseline)
+    if VERB_TIMES:
+        print(f"\nverbs at {args.engines} fake engines (ours), {len(VERB_TIMES)} rounds: wall ms from the call to the "
+              "acknowledgement (median), and the coordinator process's CPU ms for it (mean: /proc counts 10 ms ticks; "
+              "its idle heartbeats' share taken out)")
+        print("| | " + " | ".join(VERB_ORDER) + " |\n|" + "---|" * (len(VERB_ORDER) + 1))
+        for label, suffix, average in (("wall ms", "", statistics.median), ("coordinator CPU ms", " cpu",
+                                                                           statistics.mean)):
+            print(f"| {label} | " + " | ".join(f"{average(t[name + suffix] for t in VERB_TIMES) * 1e3:.1f}"
+                                             for name in VERB_ORDER) + " |")
 
 
 def parse_args() -> argparse.Namespace:
@@ -435,7 +515,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="py-spy the coordinator during each scenario (raw collapsed stacks in DIR)")
     parser.add_argument("--profile-seconds", type=float, default=3.0)
+    parser.add_argument("--verbs", action="store_true",
+                        help="ours: also time PAUSE, REFIT, SUSPEND, RESUME and UNPAUSE after the scenarios")
+    parser.add_argument("--verb-rounds", type=int, default=5, help="rounds of the five verbs (--verbs)")
     args = parser.parse_args()
+    for name in ("engines", "verb_rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} needs a positive count, got {getattr(args, name)}")
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)}")
