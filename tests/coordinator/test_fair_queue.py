@@ -16,6 +16,7 @@ from megatron_serve.coordinator.fair_queue import FairQueue
 from megatron_serve.coordinator.requests import Phase
 from megatron_serve.wire.messages import EngineStep, RequestDelta, Submit
 from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.tenancy import TenantTag
 
 from .core_harness import CoreHarness
@@ -147,11 +148,23 @@ def test_a_request_waiting_long_is_promoted_a_band_per_period():
 
 def test_a_tenant_back_from_idle_starts_at_the_least_count_of_those_waiting():
     queue = FairQueue(lambda key, order: None)
-    queue.counts = {"a": 100.0, "b": 250.0, "ahead": 300.0}
+    queue.policy.counts = {"a": 100.0, "b": 250.0, "ahead": 300.0}
     queue.bands[1] = {"a": [(0, 1, "x")], "b": [(0, 2, "y")]}
-    queue._lift("idle")  # never counted: it starts level with the least, not at 0 (no banked share)
-    queue._lift("ahead")  # counted more than that: it keeps its count
-    assert queue.counts == {"a": 100.0, "b": 250.0, "ahead": 300.0, "idle": 100.0}
+    queue.push(Queued("idle"), 3, None)  # never counted: it starts level with the least waiting, not at 0
+    queue.push(Queued("ahead"), 4, None)  # counted more than that: it keeps its count
+    assert queue.policy.counts == {"a": 100.0, "b": 250.0, "ahead": 300.0, "idle": 100.0}
+
+
+class Queued:
+    """A standard-class request of ``tenant`` as the tenants' queue reads it."""
+
+    def __init__(self, tenant: str) -> None:
+        self.request_id = tenant
+        self.params = SamplingParams(tenant=TenantTag(name=tenant, priority_class="standard"))
+        self.prompt_tokens: list[int] = []
+        self.queued_at = None
+        self.charged = 0
+        self.generated_tokens: list[int] = []
 
 
 def test_a_request_is_charged_its_prompt_and_max_tokens_and_given_back_what_it_did_not_use():
@@ -159,12 +172,12 @@ def test_a_request_is_charged_its_prompt_and_max_tokens_and_given_back_what_it_d
     h.client(C)
     engine = FakeEngine(h, E1, capacity=1)
     submit(h, "a0", B, tokens=10, prompt=6)  # weight 3
-    assert h.core.flow.table.fair.counts["b"] == (6 + 10) / 3
+    assert h.core.flow.table.fair.policy.counts["b"] == (6 + 10) / 3
     engine.step()
     request = engine.queue[0]
     request["sampling_params"]["num_tokens_to_generate"] = 2  # it stops early (as at a stop string or EOS)
     engine.step()
-    assert h.core.flow.table.fair.counts["b"] == (6 + 2) / 3
+    assert h.core.flow.table.fair.policy.counts["b"] == (6 + 2) / 3
 
 
 def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
@@ -177,7 +190,7 @@ def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
     (record,) = h.core.flow.table.records.values()
     assert len(record.generated_tokens) == 2
     h.core.flow.table.forget(record)  # its client gone: the table drops it unfinished
-    assert h.core.flow.table.fair.counts["b"] == (6 + 2) / 3
+    assert h.core.flow.table.fair.policy.counts["b"] == (6 + 2) / 3
 
 
 def test_promoted_requests_count_in_their_promoted_band_so_an_engine_holds_a_bounded_number():

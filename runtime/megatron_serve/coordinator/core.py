@@ -232,13 +232,7 @@ class CoordinatorCore:
             self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
             return
         ids = [i for i in body.request_ids if isinstance(i, str)]
-        moved = 0
-        for key in ids:
-            record = self.flow.table.get(key)
-            if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
-                engine.assigned.discard(key)
-                self.flow.requeue(record, f"handed back by engine {engine.engine_id}")
-                moved += 1
+        moved = self.flow.hand_back(engine, ids, "")
         self.outbox.send(engine.identity, Header.HANDBACK, Handback(request_ids=ids), engine.batches)
         if body.final:
             self.remove_engine(engine, "left after draining", expected=True)

@@ -10,8 +10,6 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .requests import Phase
-
 if TYPE_CHECKING:
     from .flow import RequestFlow
     from .peers import EngineRecord
@@ -97,10 +95,6 @@ def leave(policy: RoutingPolicy, flow: RequestFlow, engine: EngineRecord, handed
     if not engine.draining:
         engine.draining = True
         policy.forget(engine.engine_id)
-    for key in handed_back:
-        record = flow.table.get(key) if isinstance(key, str) else None
-        if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
-            engine.assigned.discard(key)
-            flow.requeue(record, f"handed back by engine {engine.engine_id}, leaving its expert-parallel group")
+    flow.hand_back(engine, handed_back, ", leaving its expert-parallel group")
     logger.info("engine %s leaves its expert-parallel group (SCALE_EP): %d request(s) handed back", engine.engine_id,
                 len(handed_back))

@@ -1,14 +1,12 @@
-"""The coordinator's queue for requests of tenants (``SamplingParams.tenant``): strict bands, fair shares by tokens.
+"""The coordinator's queue for requests of tenants (``SamplingParams.tenant``), in the fleet's queue policy
+(:mod:`megatron_serve.scheduling.queue_policy`: bands, fair shares, priority, arrival).
 
 A queued request of a tenant waits in its band (its class: ``critical``, ``standard``, ``sheddable``), in its
 tenant's own heap (vLLM's ``priority``, then arrival). The next request to dispatch is the head of the best band
-that has one; within a band, the head of the tenant with the least **virtual tokens**: each tenant's count of the
-tokens given to it, divided by its weight. A
-tenant with twice the weight of another is served twice the tokens while both wait. A request is charged when it
-is dispatched, for what it may cost (its prompt and its ``max_tokens``), and what it did not use is given back
-when it finishes: the requests a tenant has waiting in engines count as given to it. A tenant that had nothing
-queued starts again at the least count of those that wait (it cannot bank the time it was away: the virtual token
-counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+that has one; within a band, the head of the tenant with the least virtual tokens. A tenant with twice the weight of
+another is served twice the tokens while both wait. A request is charged when it is dispatched, for what it may cost
+(its prompt and its ``max_tokens``), and what it did not use is given back when it finishes: the requests a tenant
+has waiting in engines count as given to it.
 
 Starvation is bounded: a request queued for ``promote_after`` seconds counts as one band better, and one more for
 each further ``promote_after`` (the SGLang Model Gateway promotes the same way), so a flood of ``critical`` work
@@ -22,6 +20,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Generic, Protocol, TypeVar
 
+from ..scheduling.queue_policy import QueuePolicy
 from ..wire.sampling_params import SamplingParams
 from ..wire.tenancy import CLASSES, band_of
 
@@ -58,9 +57,8 @@ class FairQueue(Generic[R]):
     def __init__(self, live: Callable[[str, int], R | None],
                  promote_after: float | None = DEFAULT_PROMOTE_AFTER) -> None:
         self.live = live
-        self.promote_after = promote_after
+        self.policy = QueuePolicy(promote_after, max_counted=MAX_COUNTED)  # bands (promoted by seconds), fair shares
         self.bands: list[dict[str, list[Entry]]] = [{} for _ in CLASSES]
-        self.counts: dict[str, float] = {}  # virtual tokens by tenant
         self.size = 0  # entries held, stale ones included
 
     def __bool__(self) -> bool:
@@ -73,34 +71,25 @@ class FairQueue(Generic[R]):
         heap = tenants.get(tag.name)
         if heap is None:
             heap = tenants[tag.name] = []
-            self._lift(tag.name)
+            self.policy.join(tag.name, (other for band in self.bands for other in band))
         if now is not None:
             record.queued_at = now
         heapq.heappush(heap, (record.params.priority, order, record.request_id))
         self.size += 1
 
-    def _lift(self, name: str) -> None:
-        """A tenant with nothing queued comes back: at least the least count of the tenants that wait."""
-        waiting = [self.counts.get(other, 0.0) for tenants in self.bands for other in tenants if other != name]
-        floor = min(waiting, default=0.0)
-        if self.counts.get(name, 0.0) < floor:
-            self.counts[name] = floor
-        if len(self.counts) > MAX_COUNTED + len(waiting):
-            queued = {other for tenants in self.bands for other in tenants}
-            self.counts = {tenant: count for tenant, count in self.counts.items() if tenant in queued or tenant == name}
-
     def head(self, now: float | None) -> tuple[R, int] | None:
         """The next request and the band it counts in now (its own, or better after waiting), or None."""
         best: tuple[tuple[int, float, int], R, int] | None = None
-        for band, tenants in enumerate(self.bands):
+        for tenants in self.bands:
             for name in list(tenants):
                 heap = tenants[name]
                 record = self._head_of(heap)
                 if record is None:
                     del tenants[name]
                     continue
-                effective = self._band(band, record, now)
-                rank = (effective, self.counts.get(name, 0.0), heap[0][1])
+                waited = 0.0 if now is None or record.queued_at is None else now - record.queued_at
+                effective = self.policy.band(record.params, waited)
+                rank = (effective, self.policy.count(name), heap[0][1])
                 if best is None or rank < best[0]:
                     best = (rank, record, effective)
         return None if best is None else (best[1], best[2])
@@ -114,11 +103,6 @@ class FairQueue(Generic[R]):
             heapq.heappop(heap)
             self.size -= 1
         return None
-
-    def _band(self, band: int, record: R, now: float | None) -> int:
-        if now is None or not self.promote_after or record.queued_at is None:
-            return band
-        return max(0, band - int((now - record.queued_at) // self.promote_after))
 
     def pop(self, record: R) -> None:
         """Remove ``record``, the head :meth:`head` returned."""
@@ -135,12 +119,12 @@ class FairQueue(Generic[R]):
         assert tag is not None
         cost = len(record.prompt_tokens) + max(record.params.num_tokens_to_generate - len(record.generated_tokens), 0)
         record.charged += cost
-        self.counts[tag.name] = self.counts.get(tag.name, 0.0) + cost / tag.weight
+        self.policy.charge(tag.name, cost, tag.weight)
 
     def settle(self, record: R) -> None:
         """``record`` finished: what it was charged and did not use goes back to its tenant."""
         tag = record.params.tenant
         unused = record.charged - len(record.prompt_tokens) - len(record.generated_tokens)
         record.charged = 0
-        if tag is not None and unused > 0 and tag.name in self.counts:
-            self.counts[tag.name] -= unused / tag.weight
+        if tag is not None and unused > 0:
+            self.policy.refund(tag.name, unused, tag.weight)

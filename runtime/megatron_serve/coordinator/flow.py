@@ -10,6 +10,7 @@ routes each message here; dispatch (:mod:`.dispatch`) moves queued requests to e
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
@@ -180,6 +181,18 @@ class RequestFlow:
             self.finish_here(record, "COMPLETED", "length", "length reached before the move")
         else:
             self.table.enqueue(record, first=True)
+
+    def hand_back(self, engine: EngineRecord, keys: list[Any], why: str) -> int:
+        """``engine`` handed back the requests ``keys`` names (draining, or leaving its expert-parallel group): each
+        still dispatched to it goes back to the head of the queue; how many did."""
+        moved = 0
+        for key in keys:
+            record = self.table.get(key) if isinstance(key, str) else None
+            if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
+                engine.assigned.discard(key)
+                self.requeue(record, f"handed back by engine {engine.engine_id}{why}")
+                moved += 1
+        return moved
 
     # ------------------------------------------------------------------ from engines
 

@@ -1,6 +1,7 @@
 """The request table: every request from SUBMIT until its client acknowledged the RESULT.
 
-Queued requests are dispatched in arrival order, except that a request with a ``priority`` goes
+Queued requests are dispatched in the fleet's queue policy's order (:mod:`megatron_serve.scheduling.queue_policy`:
+bands, fair shares, priority, arrival): in arrival order, except that a request with a ``priority`` goes
 ahead of every queued request with a larger value (lower first, as in the engines' schedulers), and
 a request that lost its engine goes ahead of all. Requests without a priority (0) never pay for
 the ordering: they wait in a plain deque, the others in a heap beside it. Requests of tenants
@@ -39,6 +40,7 @@ from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent
 from ..wire.sampling_params import SamplingParams
 from ..wire.tenancy import STANDARD_BAND
+from ..scheduling.queue_policy import QueuePolicy
 from .fair_queue import FairQueue
 
 
@@ -181,23 +183,21 @@ class RequestTable:
         self.records[record.request_id] = record
         self.counts[phase] += 1
         if phase is Phase.QUEUED:
-            if record.params.tenant is not None:
-                self._fair(record, now)
-            elif record.params.priority:
-                self._rank(record)
-            else:
-                self.queue.append(record.request_id)
+            self._queue(record, now)
 
-    def _fair(self, record: RequestRecord, now: float | None) -> None:
+    def _queue(self, record: RequestRecord, now: float | None) -> None:
+        """Where a queued request waits: a tenant's in the tenants' queue, one with a priority in the heap (its order
+        tells a live entry from a stale one), the others at the end of the deque."""
+        if not (record.params.tenant is not None or record.params.priority):
+            record.queue_order = 0
+            self.queue.append(record.request_id)
+            return
         order = next(self._order)
         record.queue_order = order
-        self.fair.push(record, order, now)
-
-    def _rank(self, record: RequestRecord) -> None:
-        """Queue a request with a priority in the heap (its order tells a live entry from a stale one)."""
-        order = next(self._order)
-        record.queue_order = order
-        heapq.heappush(self.ranked, (record.params.priority, order, record.request_id))
+        if record.params.tenant is not None:
+            self.fair.push(record, order, now)
+        else:
+            heapq.heappush(self.ranked, (record.params.priority, order, record.request_id))
 
     def _move(self, record: RequestRecord, phase: Phase) -> None:
         self.counts[record.phase] -= 1
@@ -211,13 +211,8 @@ class RequestTable:
         if first:
             record.queue_order = -1
             self.queue.appendleft(record.request_id)
-        elif record.params.tenant is not None:
-            self._fair(record, None)
-        elif record.params.priority:
-            self._rank(record)
         else:
-            record.queue_order = 0
-            self.queue.append(record.request_id)
+            self._queue(record, None)
 
     def dispatched(self, record: RequestRecord, engine_id: str) -> None:
         self._move(record, Phase.DISPATCHED)
@@ -256,8 +251,7 @@ class RequestTable:
         if found is None:
             return legacy
         record, band = found
-        if legacy is None or band < STANDARD_BAND or (band == STANDARD_BAND
-                                                      and record.arrival_time <= legacy.arrival_time):
+        if legacy is None or QueuePolicy.before(band, record.arrival_time, STANDARD_BAND, legacy.arrival_time):
             self._head_fair, self.head_band = record, band
             return record
         return legacy

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..scheduling.queue_policy import QueuePolicy
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import record_step
 from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
@@ -49,6 +50,10 @@ from .sequence import Sequence
 from .tenancy import TenantPolicy
 from .steps import Emitted, InFlightStep, StepOutput
 from .token_append import append_tokens, ended
+
+def _priority(sequence: Sequence) -> int:
+    return sequence.priority
+
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
     """Where an entry goes in its step: decode-shaped entries (one token) first, as the step plan needs them, then
@@ -151,20 +156,13 @@ class Scheduler:
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within
-        a priority); without priorities, at the end. The first request of a tenant turns the tenants' policy on
-        (:mod:`.tenancy`)."""
+        a priority; the fleet's queue policy, :mod:`megatron_serve.scheduling.queue_policy`); without priorities, at
+        the end. The first request of a tenant turns the tenants' policy on (:mod:`.tenancy`)."""
         if sequence.sampling_params.tenant is not None:
             if self.tenancy is None:
                 self.tenancy = TenantPolicy()
             self.tenancy.added(sequence, [*self.running, *self.waiting])
-        waiting = self.waiting
-        if not waiting or waiting[-1].priority <= sequence.priority:
-            waiting.append(sequence)
-            return
-        index = len(waiting) - 1
-        while index and waiting[index - 1].priority > sequence.priority:
-            index -= 1
-        waiting.insert(index, sequence)
+        QueuePolicy.place(self.waiting, sequence, _priority)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -21,12 +21,16 @@ fleet with no tenants, always) it schedules exactly as before. With it:
 With vLLM's ``--scheduling-policy priority`` (``by_priority``) a request's rank is its class's band and then its
 ``priority`` value (lower is more urgent), so the same queue order, displacement and preemption apply between
 priorities within a class, tenants or none (a request without a tenant is of the ``standard`` class).
+
+The rules (bands, promotion, fair shares, priority) are the fleet's one queue policy
+(:mod:`megatron_serve.scheduling.queue_policy`), the coordinator's too; promotion here counts steps.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
+from ..scheduling.queue_policy import QueuePolicy, Rank
 from ..wire.tenancy import band_of
 
 if TYPE_CHECKING:
@@ -36,9 +40,8 @@ if TYPE_CHECKING:
 
 #: Steps a waiting request of a tenant waits before it counts as one band better.
 DEFAULT_PROMOTE_AFTER = 512
-
-#: Where a request stands: its class's band, then (vLLM's priority policy) its priority value; smaller is better.
-Rank = tuple[int, int]
+#: Tenants whose counts an engine keeps beyond those it holds requests of.
+MAX_COUNTED = 1024
 
 
 def base_band(sequence: "Sequence") -> int:
@@ -50,20 +53,15 @@ class TenantPolicy:
     """Bands, fair shares and displacement for one scheduler (module docstring)."""
 
     def __init__(self, promote_after: int = DEFAULT_PROMOTE_AFTER, by_priority: bool = False) -> None:
-        self.promote_after = promote_after
-        self.by_priority = by_priority
-        self.counts: dict[str, float] = {}  # virtual tokens by tenant
+        self.policy = QueuePolicy(promote_after, by_priority=by_priority, max_counted=MAX_COUNTED)
 
     def rank(self, sequence: "Sequence") -> Rank:
         """Its class's band and, with ``by_priority``, its priority value (else 0)."""
-        return base_band(sequence), sequence.priority if self.by_priority else 0
+        return self.policy.rank(sequence.sampling_params)
 
     def band(self, sequence: "Sequence") -> Rank:
         """Where ``sequence`` stands now: its rank, its band better by one per ``promote_after`` steps waited."""
-        band, priority = self.rank(sequence)
-        if self.promote_after and sequence.waited_steps >= self.promote_after:
-            band = max(0, band - sequence.waited_steps // self.promote_after)
-        return band, priority
+        return self.policy.rank(sequence.sampling_params, sequence.waited_steps)
 
     def added(self, sequence: "Sequence", held: Iterable["Sequence"]) -> None:
         """A new request: its tenant, if it had nothing here, starts at the least count of those that have."""
@@ -71,12 +69,8 @@ class TenantPolicy:
         if tag is None:
             return
         names = {s.sampling_params.tenant.name for s in held if s.sampling_params.tenant is not None}
-        if tag.name in names:
-            return
-        floor = min((self.counts.get(name, 0.0) for name in names), default=0.0)
-        self.counts[tag.name] = max(self.counts.get(tag.name, 0.0), floor)
-        if len(self.counts) > 4 * len(names) + 1024:  # tenants gone for good: they start again when they return
-            self.counts = {name: self.counts[name] for name in names | {tag.name}}
+        if tag.name not in names:
+            self.policy.join(tag.name, names)
 
     def order(self, waiting: "deque[Sequence]") -> None:
         """Put ``waiting`` in order for this step: bands, then tenants merged by virtual tokens (each request counted
@@ -90,7 +84,7 @@ class TenantPolicy:
         ordered: list["Sequence"] = []
         for band in sorted({band for band, _ in groups}):
             queues = {name: members for (b, name), members in groups.items() if b == band}
-            counts = {name: self.counts.get(name, 0.0) for name in queues}
+            counts = {name: self.policy.count(name) for name in queues}
             heads = dict.fromkeys(queues, 0)
             while queues:
                 name = min(queues, key=lambda n: (counts[n], queues[n][heads[n]].arrival_time))
@@ -106,11 +100,10 @@ class TenantPolicy:
 
     def charge(self, entries: Iterable[tuple["Sequence", int]]) -> None:
         """The tokens a step computes, each for its request's tenant."""
-        counts = self.counts
         for sequence, count in entries:
             tag = sequence.sampling_params.tenant
             if tag is not None:
-                counts[tag.name] = counts.get(tag.name, 0.0) + count / tag.weight
+                self.policy.charge(tag.name, count, tag.weight)
 
     def waited(self, waiting: Iterable["Sequence"]) -> None:
         """One more step for every request still waiting."""
