@@ -71,8 +71,9 @@ class Row:
                 f"{self.step_p99_ms:.3f} |")
 
 
-HEADER = ("| engines | queued | idle dispatch p50 us | idle dispatch p99 us | admission us/request | memory bytes/request | heartbeat us | STATUS ms | "
-          "steady us/request | step p50 ms | step p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| engines | queued | idle dispatch p50 us | idle dispatch p99 us | admission us/request | "
+          "memory bytes/request | heartbeat us | STATUS ms | steady us/request | step p50 ms | step p99 ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def rss() -> int:
@@ -141,8 +142,9 @@ def measure(engines: int, total: int, completions: int, step_outputs: int, clock
             done += len(ids)
         replay.inbox.pop(CLIENT, None)  # the results: the client's to read, not timed
     steps.sort()
-    return Row(engines, queued, dispatch_p50 * 1e6, dispatch_p99 * 1e6, admit * 1e6, per_request, heartbeat * 1e6, status * 1e3, replay.seconds / done * 1e6,
-               statistics.median(steps) * 1e3, steps[min(len(steps) - 1, int(len(steps) * 0.99))] * 1e3)
+    return Row(engines, queued, dispatch_p50 * 1e6, dispatch_p99 * 1e6, admit * 1e6, per_request, heartbeat * 1e6,
+               status * 1e3, replay.seconds / done * 1e6, statistics.median(steps) * 1e3,
+               steps[min(len(steps) - 1, int(len(steps) * 0.99))] * 1e3)
 
 
 def submit_all(replay: Replay, total: int) -> float:
