@@ -25,7 +25,8 @@ from aiohttp import web
 from megatron_operator.crd import GROUP
 from megatron_operator.metrics_adapter import api
 from megatron_operator.metrics_adapter.front_proxy import FrontProxy, server_context
-from megatron_operator.metrics_adapter.rules import DEFAULT_RULES, parse_rule, rules_by_name
+from megatron_operator.metrics_adapter.rules import (DEFAULT_RULES, fleet_unknown, parse_rule, rules_by_name,
+                                                     sample_sums)
 from megatron_operator.metrics_adapter.server import MetricsAdapter, build_app
 from megatron_serve.cli import parse_args
 from tests.helpers import free_port
@@ -43,6 +44,15 @@ megatron_serve_requests_in_flight 7.0
 megatron_serve_num_requests_waiting{engine_group="0",model_name="m"} 2.0
 megatron_serve_num_requests_waiting{engine_group="1",model_name="m"} 1.5
 """
+#: A server that lost its coordinator: its fleet gauges are zeros that say nothing about the fleet.
+UNREACHABLE = """\
+# TYPE megatron_serve_coordinator_reachable gauge
+megatron_serve_coordinator_reachable 0.0
+# TYPE megatron_serve_queue_depth gauge
+megatron_serve_queue_depth 0.0
+# TYPE megatron_serve_requests_in_flight gauge
+megatron_serve_requests_in_flight 0.0
+"""
 MI = f"megatroninferences.{GROUP}"
 BASE = f"/apis/{api.GROUP_VERSION}/namespaces/ns"
 MONITORING = ROOT / "manifests" / "examples" / "monitoring"
@@ -50,12 +60,14 @@ MONITORING = ROOT / "manifests" / "examples" / "monitoring"
 
 def test_a_rule_sums_every_label_set_and_counts_an_absent_series_as_zero():
     rules = rules_by_name(DEFAULT_RULES)
-    assert rules["megatron_serve_queue"].value(EXPOSITION) == 5 + 2 + 1.5
-    assert rules["megatron_serve_requests"].value(EXPOSITION) == 12
-    assert rules["megatron_serve_engine_groups_wanted"].value(EXPOSITION) == 0  # not in the scrape
-    assert parse_rule("busy = megatron_serve_queue_depth + megatron_serve_requests_in_flight").value(EXPOSITION) == 12
+    sums = sample_sums(EXPOSITION)
+    assert rules["megatron_serve_queue"].value(sums) == 5 + 2 + 1.5
+    assert rules["megatron_serve_requests"].value(sums) == 12
+    assert rules["megatron_serve_engine_groups_wanted"].value(sums) == 0  # not in the scrape
+    assert parse_rule("busy = megatron_serve_queue_depth + megatron_serve_requests_in_flight").value(sums) == 12
     replaced = rules_by_name((*DEFAULT_RULES, parse_rule("megatron_serve_queue=megatron_serve_queue_depth")))
-    assert replaced["megatron_serve_queue"].value(EXPOSITION) == 5
+    assert replaced["megatron_serve_queue"].value(sums) == 5
+    assert not fleet_unknown(sums) and fleet_unknown(sample_sums(UNREACHABLE))
 
 
 @pytest.mark.parametrize("text", ["megatron_serve_queue", "x=", "1x=y", "x=a+b c", "=a"])
@@ -129,9 +141,10 @@ class Running:
 @pytest.fixture
 async def adapter(pki: Pki) -> AsyncIterator[Running]:
     async def metrics(request: web.Request) -> web.Response:
-        if request.match_info["name"] != "llama":
+        exposition = {"llama": EXPOSITION, "lost": UNREACHABLE}.get(request.match_info["name"])
+        if exposition is None:
             return web.Response(status=404, text="no such fleet")
-        return web.Response(text=EXPOSITION, content_type="text/plain")
+        return web.Response(text=exposition, content_type="text/plain")
 
     fleet = web.Application()
     fleet.router.add_get("/{namespace}/{name}/metrics", metrics)
@@ -189,6 +202,7 @@ async def test_anyone_but_the_front_proxy_is_refused(adapter: Running):
     (f"{BASE}/{MI}/*/megatron_serve_queue", 404, "name the object"),
     (f"{BASE}/{MI}/llama/megatron_serve_queue?metricLabelSelector=engine_group%3D0", 400, "takes no selector"),
     (f"{BASE}/{MI}/absent/megatron_serve_queue", 503, "/ns/absent/metrics failed"),
+    (f"{BASE}/{MI}/lost/megatron_serve_requests", 503, "does not reach its coordinator"),
     (f"/apis/{api.GROUP_VERSION}/{MI}/llama/megatron_serve_queue", 404, "is not served here"),
 ])
 async def test_what_it_cannot_answer_is_a_status_naming_why(adapter: Running, path: str, code: int, says: str):

@@ -2,7 +2,9 @@
 
 A rule is ``NAME=SERIES[+SERIES...]``: the metric ``NAME`` is the sum of every sample of each series (all label
 sets), so per-engine-group series add up to the fleet's. A series absent from the scrape counts 0 (engine series
-are absent while no engine is registered), as the Prometheus adapter's example writes with ``or 0``.
+are absent while no engine is registered), as the Prometheus adapter's example writes with ``or 0``. A scrape whose
+server does not reach its coordinator (``megatron_serve_coordinator_reachable`` 0) has no fleet figures to sum: its
+zeros would read as an idle fleet and scale it down, so it answers nothing (:func:`fleet_unknown`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,26 @@ class MetricRule:
     name: str
     series: tuple[str, ...]
 
-    def value(self, exposition: str) -> float:
-        """The rule's value in one scrape (Prometheus text format)."""
-        wanted = set(self.series)
-        total = 0.0
-        for family in text_string_to_metric_families(exposition):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    total += sample.value
-        return total
+    def value(self, sums: dict[str, float]) -> float:
+        """The rule's value in one scrape (:func:`sample_sums`)."""
+        return sum(sums.get(series, 0.0) for series in self.series)
+
+
+REACHABLE = "megatron_serve_coordinator_reachable"
+
+
+def sample_sums(exposition: str) -> dict[str, float]:
+    """One scrape (Prometheus text format): each series' samples summed over their label sets."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def fleet_unknown(sums: dict[str, float]) -> bool:
+    """Whether the scraped server said it does not reach its coordinator (its fleet series are not the fleet's)."""
+    return sums.get(REACHABLE, 1.0) == 0.0
 
 
 def parse_rule(text: str) -> MetricRule:

@@ -1,8 +1,9 @@
 """The adapter's HTTPS server: discovery, and each metric read from the fleet's ``/metrics`` when asked.
 
 Nothing is cached: the HPA controller asks once per sync period (15 s by default), and one scrape of the resource's
-OpenAI server costs less than keeping a poller per resource. A scrape that fails answers 503, which the HPA shows
-as its ``ScalingActive=False`` condition (``FailedGetObjectMetric``) and scales nothing on.
+OpenAI server costs less than keeping a poller per resource. A scrape that fails, or whose server does not reach its
+coordinator, answers 503, which the HPA shows as its ``ScalingActive=False`` condition (``FailedGetObjectMetric``)
+and scales nothing on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from . import api
 from .front_proxy import FrontProxy
-from .rules import MetricRule
+from .rules import REACHABLE, MetricRule, fleet_unknown, sample_sums
 
 log = logging.getLogger("megatron_operator.metrics_adapter")
 
@@ -38,8 +39,7 @@ class MetricsAdapter:
         self.http = httpx.AsyncClient(timeout=scrape_timeout)
 
     async def scrape(self, namespace: str, name: str) -> str:
-        url = self.metrics_url.format(name=name, namespace=namespace)
-        response = await self.http.get(url)
+        response = await self.http.get(self.metrics_url.format(name=name, namespace=namespace))
         response.raise_for_status()
         return response.text
 
@@ -57,12 +57,16 @@ class MetricsAdapter:
         if request.query.get("metricLabelSelector"):
             return _status(400, f"metricLabelSelector {request.query['metricLabelSelector']!r}: {metric} is a sum "
                                 "over the fleet and takes no selector")
+        url = self.metrics_url.format(name=name, namespace=namespace)
         try:
-            exposition = await self.scrape(namespace, name)
-            value = rule.value(exposition)
+            sums = sample_sums(await self.scrape(namespace, name))
         except (httpx.HTTPError, ValueError) as exc:
-            url = self.metrics_url.format(name=name, namespace=namespace)
             return _status(503, f"{metric} of {namespace}/{name}: scraping {url} failed: {type(exc).__name__}: {exc}")
+        if fleet_unknown(sums):
+            return _status(503, f"{metric} of {namespace}/{name}: the server at {url} does not reach its coordinator "
+                                f"({REACHABLE} 0): the fleet's figures are not known")
+        value = rule.value(sums)
+        log.info("%s/%s %s = %g", namespace, name, metric, value)
         now = datetime.datetime.now(datetime.timezone.utc)
         return web.json_response(api.metric_value_list(kind, namespace, name, metric, value, now))
 
