@@ -86,6 +86,7 @@ def test_up_twice_is_refused_naming_what_runs(tmp_path: pathlib.Path):
     (["build", "kubelet"], "unknown component(s) kubelet"),
     (["restart", "{dir}", "kubelet"], "invalid choice: 'kubelet'"),
     (["up", "{file}"], "is not a directory"),
+    (["up", "{dir}/cluster", "--apiserver-arg=watch-cache=false"], "--apiserver-arg takes kube-apiserver flags"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_input_is_refused_naming_it(tmp_path: pathlib.Path, argv: list[str], message: str):

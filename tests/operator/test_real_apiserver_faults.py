@@ -6,9 +6,9 @@ cluster of their own (``tools/kube-cluster up`` in a temporary folder, without t
 15 s warm). On a foreign cluster (``MEGATRON_KUBECONFIG``) they skip: nothing here may restart its API server or
 compact its etcd.
 
-That cluster's API server runs with ``--watch-cache=false`` and ``--etcd-compaction-interval=0`` (added to the
-command line that ``tools/kube-cluster restart`` reads back, ``DIR/kube-apiserver.cmd``): watches are served by etcd
-itself, and etcd's history is compacted only when a test says so. With the watch cache (the default), a restart
+That cluster's API server runs with ``--watch-cache=false`` and ``--etcd-compaction-interval=0`` (``tools/kube-cluster
+up --apiserver-arg``, which ``restart`` keeps): watches are served by etcd itself, and etcd's history is compacted
+only when a test says so. With the watch cache (the default), a restart
 alone answers every reconnecting watch with 410, whatever etcd keeps: the new cache starts at etcd's current
 revision (measured on this cluster: kopf's "Restarting the watch-stream" after each restart). Without it, which
 resourceVersion etcd still holds decides, so the two tests are each other's control:
@@ -47,6 +47,8 @@ from .real_tools import MI, clients, example, until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NAME = "llama-1b"
+#: The API server's flags for these tests (see the module)
+FLAGS = ("--watch-cache=false", "--etcd-compaction-interval=0")
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +58,11 @@ def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluste
         pytest.skip("restarts kube-apiserver and compacts etcd: only on a tools/kube-cluster cluster of its own, "
                     "not on the foreign cluster MEGATRON_KUBECONFIG names")
     folder = tmp_path_factory.mktemp("faults") / "cluster"
-    done = subprocess.run([str(TOOL), "up", str(folder), "--without-lws"], capture_output=True, text=True,
-                          timeout=540)
+    done = subprocess.run([str(TOOL), "up", str(folder), "--without-lws", *(f"--apiserver-arg={a}" for a in FLAGS)],
+                          capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, f"tools/kube-cluster up failed:\n{done.stderr[-4000:]}"
     try:
-        cluster = KubeCluster(folder / "kubeconfig", folder)
-        command = folder / "kube-apiserver.cmd"
-        saved = json.loads(command.read_text())
-        saved["argv"] += ["--watch-cache=false", "--etcd-compaction-interval=0"]
-        command.write_text(json.dumps(saved))
-        cluster.restart("kube-apiserver")
-        yield cluster
+        yield KubeCluster(folder / "kubeconfig", folder)
     finally:
         subprocess.run([str(TOOL), "down", str(folder)], capture_output=True, text=True, timeout=120)
         shutil.rmtree(folder, ignore_errors=True)

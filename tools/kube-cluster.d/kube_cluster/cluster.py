@@ -174,8 +174,9 @@ def _write_env(cache: Path, folder: Path) -> None:
     )
 
 
-def up(folder: Path, with_lws: bool = True) -> None:
-    """Build what is missing, start every component, return once the cluster is usable."""
+def up(folder: Path, with_lws: bool = True, apiserver_args: tuple[str, ...] = ()) -> None:
+    """Build what is missing, start every component, return once the cluster is usable (``apiserver_args``: more
+    kube-apiserver flags, after the cluster's own)."""
     if folder.exists() and not folder.is_dir():
         raise SystemExit(f"kube-cluster: {folder} is not a directory")
     cache = components.cache_root()
@@ -190,7 +191,7 @@ def up(folder: Path, with_lws: bool = True) -> None:
         raise SystemExit(f"kube-cluster: {', '.join(live)} already running in {folder}; "
                          f"run `tools/kube-cluster down {folder}` first")
     try:
-        _start(cache, folder, with_lws)
+        _start(cache, folder, with_lws, apiserver_args)
     except BaseException:
         down(folder)  # a failed `up` leaves nothing running; the logs stay for the reader
         raise
@@ -201,7 +202,7 @@ def up(folder: Path, with_lws: bool = True) -> None:
           + f"; source {folder / 'env'}", file=sys.stderr)
 
 
-def _start(cache: Path, folder: Path, with_lws: bool) -> None:
+def _start(cache: Path, folder: Path, with_lws: bool, apiserver_args: tuple[str, ...]) -> None:
     pki.make(folder / "pki")
     ports = _ports(folder)
     server = f"https://127.0.0.1:{ports['apiserver']}"
@@ -209,7 +210,7 @@ def _start(cache: Path, folder: Path, with_lws: bool) -> None:
     api = Api(server, folder / "pki")
 
     processes.start(folder, "etcd", _etcd(cache, folder, ports))
-    processes.start(folder, "kube-apiserver", _apiserver(cache, folder, ports))
+    processes.start(folder, "kube-apiserver", [*_apiserver(cache, folder, ports), *apiserver_args])
     processes.wait("kube-apiserver /readyz", lambda: api.text("/readyz") == "ok", 180,
                    folder / "kube-apiserver.log")
     processes.start(folder, "kube-controller-manager",

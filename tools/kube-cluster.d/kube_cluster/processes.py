@@ -87,17 +87,25 @@ def restart(folder: Path, name: str) -> int:
     return _spawn(folder, name, saved["argv"], saved["env"])
 
 
-def stop(folder: Path, name: str, grace: float = 15.0) -> bool:
-    """SIGTERM, then SIGKILL after `grace` seconds; True if a process was stopped."""
+def stop(folder: Path, name: str, grace: float = 15.0, again: float = 3.0) -> bool:
+    """SIGTERM, a second SIGTERM after `again` seconds, SIGKILL after `grace`; True if a process was stopped.
+
+    kube-apiserver shuts its controllers down within a second of the first SIGTERM and then does not exit (the
+    full `grace` every time, measured here); the Kubernetes components take a second signal as "exit now".
+    """
     pid = running(folder, name)
     _pid_file(folder, name).unlink(missing_ok=True)
     if pid is None:
         return False
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    signals = [signal.SIGTERM]
+    while time.monotonic() < started + grace:
         if not Path(f"/proc/{pid}").exists() or _zombie(pid):
             return True
+        if len(signals) == 1 and time.monotonic() > started + again:
+            os.kill(pid, signal.SIGTERM)
+            signals.append(signal.SIGTERM)
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     return True
