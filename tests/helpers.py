@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 PY = sys.executable
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is no zombie (dead, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def http_get(url: str, **kwargs: Any) -> httpx.Response:
     """``httpx.get`` of a plain-HTTP URL of the suite's own, on a connection of its own. Without ``verify=False``
     each call's client loads the CA bundle (43 ms of CPU here), several times a second in every readiness poll."""

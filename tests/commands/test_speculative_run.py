@@ -12,6 +12,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine import DynamicInferenceEngine
 
 from ..helpers import http_get, metric_by_engine_group, wait_until
+from ..prompts import run_to_end
 from ..server.conftest import served_run
 
 BIAS = {"133": 7.0, "410": 6.8, "433": 6.9}  # a few favoured tokens: output that repeats, so n-gram guesses land
@@ -71,10 +72,7 @@ def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tin
         requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
             temperature=0.0, num_tokens_to_generate=32, ignore_eos=True,
             logit_bias={int(k): v for k, v in BIAS.items()})) for i, prompt in enumerate(prompts)]
-        for request in requests:
-            plain.add_request(request)
-        while plain.has_unfinished_requests():
-            plain.step()
+        run_to_end(plain, requests)
         assert served == [r.generated_tokens for r in requests]
 
         wait_until(lambda: sum(metric_by_engine_group(url, "megatron_serve_generation_tokens_total").values())

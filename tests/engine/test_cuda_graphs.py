@@ -19,7 +19,7 @@ from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_to_end
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
@@ -43,11 +43,7 @@ def make_requests(llm: MegatronLLM, prompts: list[str], params: list[SamplingPar
 def generate_each(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]):
     """Submit every prompt with its own parameters, step until all finish; requests in input order."""
     requests = make_requests(llm, prompts, params)
-    for request in requests:
-        llm.engine.add_request(request)
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    return requests
+    return run_to_end(llm.engine, requests)
 
 
 @pytest.fixture(scope="module")

@@ -296,10 +296,7 @@ def test_handed_back_requests_continue_on_another_engine(tiny_llama, reference_o
     handed = first.take_unfinished_requests()
     assert handed and not first.has_unfinished_requests()
     assert first.load().kv_blocks_free == first.load().kv_blocks_total
-    for request in handed:
-        second.add_request(request)
-    while second.has_unfinished_requests():
-        second.step()
+    run_to_end(second, handed)
     assert [r.generated_tokens for r in requests] == reference_outputs[: len(PROMPTS)]
 
 

@@ -9,6 +9,8 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..prompts import run_to_end
+
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
 
@@ -106,24 +108,32 @@ def test_a_refit_in_between_recomputes_under_the_new_weights_by_default(tiny_lla
     assert computed == sum(len(r.generated_tokens) - upto for r, upto in zip(requests, seen))
 
 
-def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tiny_llama):
-    served = engine(tiny_llama)
-    prompt = prompts(1)[0]
-    long = SamplingParams(temperature=0.0, num_tokens_to_generate=4 * BLOCK, ignore_eos=True)
-    rollout = DynamicInferenceRequest("rollout", "", list(prompt), long)
+def cut_rollout(served, prompt: list[int]) -> list[int]:
+    """A rollout of ``prompt`` aborted once it generated two blocks (the RL step ends: the rollout is cut where it
+    is); the prompt and its tokens, as the trainer resubmits them."""
+    rollout = DynamicInferenceRequest("rollout", "", list(prompt), SamplingParams(
+        temperature=0.0, num_tokens_to_generate=4 * BLOCK, ignore_eos=True))
     served.add_request(rollout)
-    while len(rollout.generated_tokens) < 2 * BLOCK:  # the RL step ends: the rollout is cut where it is
+    while len(rollout.generated_tokens) < 2 * BLOCK:
         served.step()
     served.sync()
     served.abort_request("rollout")
-    partial = list(prompt) + rollout.generated_tokens
+    return list(prompt) + rollout.generated_tokens
+
+
+def resumed(served, partial: list[int]) -> DynamicInferenceRequest:
+    """``partial`` resubmitted by its token ids and run to its end (8 more tokens)."""
+    request = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0, num_tokens_to_generate=8,
+                                                                             ignore_eos=True))
+    return run_to_end(served, [request])[0]
+
+
+def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tiny_llama):
+    served = engine(tiny_llama)
+    partial = cut_rollout(served, prompts(1)[0])
     computed = served.load().computed_tokens
-    resumed = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0,
-                                                                             num_tokens_to_generate=8, ignore_eos=True))
-    served.add_request(resumed)
-    while served.has_unfinished_requests():
-        served.step()
-    assert resumed.cached_tokens == (len(partial) - 1) // BLOCK * BLOCK  # prompt and generated blocks, its own
+    cached = resumed(served, partial).cached_tokens
+    assert cached == (len(partial) - 1) // BLOCK * BLOCK  # prompt and generated blocks, its own
     assert served.load().computed_tokens - computed < BLOCK + 8  # the tail of its last block and the new tokens only
 
 
@@ -133,29 +143,15 @@ def resumed_after_other_work(model_dir: str, tier_gib: float | None) -> tuple[in
     (64 blocks; the rollout's, freed first, are evicted first): its cached tokens, the most it could find, those
     found in the host tier and the tokens the engine computed for it."""
     served = engine(model_dir, kv_offloading_size=tier_gib)
-    prompt = prompts(1)[0]
-    rollout = DynamicInferenceRequest("rollout", "", list(prompt), SamplingParams(
-        temperature=0.0, num_tokens_to_generate=4 * BLOCK, ignore_eos=True))
-    served.add_request(rollout)
-    while len(rollout.generated_tokens) < 2 * BLOCK:
-        served.step()
-    served.sync()
-    served.abort_request("rollout")
+    partial = cut_rollout(served, prompts(1)[0])
     rng = random.Random(11)
     for index in range(5):  # 5 x 16 blocks
-        other = DynamicInferenceRequest(f"other-{index}", "", [rng.randrange(5, 500) for _ in range(16 * BLOCK)],
-                                        SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))
-        served.add_request(other)
-        while served.has_unfinished_requests():
-            served.step()
-    partial = list(prompt) + rollout.generated_tokens
+        other = [rng.randrange(5, 500) for _ in range(16 * BLOCK)]
+        run_to_end(served, [DynamicInferenceRequest(f"other-{index}", "", other, SamplingParams(
+            temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))])
     from_host, computed = served.scheduler.host_cached_tokens, served.load().computed_tokens
-    resumed = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0,
-                                                                             num_tokens_to_generate=8, ignore_eos=True))
-    served.add_request(resumed)
-    while served.has_unfinished_requests():
-        served.step()
-    return (resumed.cached_tokens, (len(partial) - 1) // BLOCK * BLOCK,
+    resumed_request = resumed(served, partial)
+    return (resumed_request.cached_tokens, (len(partial) - 1) // BLOCK * BLOCK,
             served.scheduler.host_cached_tokens - from_host, served.load().computed_tokens - computed)
 
 

@@ -12,9 +12,9 @@ from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..hf_greedy import greedy_choices
-from ..lora_adapters import make_peft_adapter, peft_model
-from ..prompts import PROMPTS, run_requests
-from .test_lora_engine import _engine, _greedy, assert_adapter_matches_peft
+from ..lora_adapters import make_peft_adapter
+from ..prompts import PROMPTS
+from .test_lora_engine import _engine, _greedy, assert_adapter_matches_peft, assert_mixed_batch_matches_alone
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {  # name: (rank, target_modules, target_parameters)
@@ -49,12 +49,8 @@ def test_moe_mixed_batch_gives_each_row_what_it_gets_alone(moe):
     base, adapters = moe
     engine = _engine(base, adapters)
     names = [None, *ADAPTERS]
-    jobs = [(prompt, _greedy(names[i % len(names)])) for i, prompt in enumerate(PROMPTS)]
-    together = run_requests(engine, jobs)
-    for job, mixed in zip(jobs, together):
-        alone, = run_requests(engine, [job])
-        assert mixed.generated_tokens == alone.generated_tokens
-        assert mixed.generated_log_probs == pytest.approx(alone.generated_log_probs, abs=1e-5)
+    assert_mixed_batch_matches_alone(engine, [(prompt, _greedy(names[i % len(names)]))
+                                              for i, prompt in enumerate(PROMPTS)])
 
 
 def test_expert_tensors_need_their_target_parameters(moe, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, RequestStatus, SamplingParams
 from megatron_serve.wire.sampling_params import StructuredOutputsParams
 
-from ..prompts import PROMPTS, run_requests
+from ..prompts import PROMPTS, run_requests, run_to_end
 
 SCHEMA = {
     "type": "object",
@@ -84,10 +84,7 @@ def test_grammar_state_is_rebuilt_on_another_engine(tiny_llama, llm):
         first.step()
     handed = first.take_unfinished_requests()
     assert handed and all(r.generated_tokens for r in handed)
-    for request in handed:
-        second.add_request(request)
-    while second.has_unfinished_requests():
-        second.step()
+    run_to_end(second, handed)
     assert [r.generated_tokens for r in requests] == reference
     for request in requests:
         jsonschema.validate(json.loads(second.tokenizer.decode(request.generated_tokens)), SCHEMA)

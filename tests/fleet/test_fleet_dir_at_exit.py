@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ..helpers import alive
+
 pytestmark = pytest.mark.timeout(400)
 
 SCRIPT = '''\
@@ -34,14 +36,6 @@ print(json.dumps({"tokens": out.outputs[0].token_ids, "refused": refused, "dir":
                   "pids": [p.pid for p in [fleet.coordinator, *fleet.engines]]}))
 # no llm.shutdown(): the interpreter exits with the fleet up
 '''
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_the_fleet_directory_is_removed_at_interpreter_exit(tiny_llama, tmp_path):

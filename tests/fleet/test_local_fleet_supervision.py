@@ -23,7 +23,7 @@ import pytest
 from megatron_serve.fleet.lifeline import Lifeline
 from megatron_serve.fleet.local_fleet import LocalFleet, remove_stale_run_dirs
 
-from ..helpers import wait_until
+from ..helpers import alive, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,15 +62,6 @@ def install_standin(tmp_path: Path, script: str) -> tuple[Path, Callable[[], lis
 @pytest.fixture
 def standin(tmp_path):
     return install_standin(tmp_path, STANDIN)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:  # a zombie (dead, not yet reaped by its parent) is not alive
-        return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_child_that_dies_is_restarted_with_back_off_and_its_cause_in_the_log(standin, tmp_path, caplog,

@@ -21,7 +21,7 @@ from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_to_end
 
 NEW_TOKENS = 16  # each further step checks one more token and its routing alike (32 before: twice the cost)
 
@@ -66,11 +66,7 @@ def run_together(llm: MegatronLLM, token_lists: list[list[int]], with_routing: l
     requests = [DynamicInferenceRequest(f"r{i}", None, tokens, SamplingParams(
         temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_routing_indices=asks))
         for i, (tokens, asks) in enumerate(zip(token_lists, with_routing))]
-    for request in requests:
-        llm.engine.add_request(request)
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    return requests
+    return run_to_end(llm.engine, requests)
 
 
 def check_against_reference(requests, token_lists, reference, with_routing):

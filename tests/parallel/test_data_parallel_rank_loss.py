@@ -6,7 +6,6 @@ engine's own worker ranks exit too."""
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import re
 import signal
 import time
@@ -17,19 +16,11 @@ from megatron_serve import SamplingParams
 from megatron_serve.engine.group.placement import RENDEZVOUS_TIMEOUT_S
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import Children, free_port, rank_processes
+from ..helpers import Children, alive, free_port, rank_processes
 from ..model.test_moe import VARIANTS
 
 #: What a surviving engine says when its group lost a rank (megatron_serve.errors.EngineGroupLost's messages)
 LOST = re.compile(r"data-parallel attention ranks lost one of them|engine group lost a rank")
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie awaiting its (killed) parent's reaping by init."""
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.slow

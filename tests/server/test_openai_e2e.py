@@ -27,7 +27,7 @@ from megatron_serve.commands import local_runs
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import http_get, wait_until
+from ..helpers import alive, http_get, wait_until
 from .conftest import metric, wait_ready
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -61,17 +61,6 @@ def child_pids(pid: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             children.append(int(entry))
     return children
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

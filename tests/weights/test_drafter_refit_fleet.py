@@ -42,7 +42,8 @@ def models(tmp_path_factory):
 def fleet(models, tmp_path_factory):
     spec = json.dumps({"method": "draft_model", "model": models.d, "num_speculative_tokens": 3,
                        "adaptive": False})  # K pinned: the test counts drafts under each epoch
-    with process_fleet(tmp_path_factory.mktemp("drafter-refit-logs"), models.a, [("--speculative-config", spec)]) as fleet:
+    logs = tmp_path_factory.mktemp("drafter-refit-logs")
+    with process_fleet(logs, models.a, [("--speculative-config", spec)]) as fleet:
         yield fleet
 
 
