@@ -212,14 +212,19 @@ class Kubelet:
                 self.stopping.wait(0.5)
 
     def _set_ready(self, pod: dict[str, Any], ready: bool) -> None:
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        conditions = [{**c, "status": "True" if ready else "False", "lastTransitionTime": now}
-                      if c["type"] in ("Ready", "ContainersReady") else c for c in pod["status"].get("conditions", [])]
-        # the uid is the patch's precondition: a StatefulSet's replacement pod has the same name
-        body = {"metadata": {"uid": pod["metadata"]["uid"]}, "status": {"conditions": conditions}}
-        try:
-            self.api.patch_namespaced_pod_status(pod["metadata"]["name"], self.namespace, body,
-                                                 _request_timeout=API_TIMEOUT)
-        except kubernetes.client.ApiException as exc:
-            if exc.status not in (404, 409):  # a pod gone (or replaced) meanwhile needs nothing
-                raise
+        set_ready(self.api, pod, ready)
+
+
+def set_ready(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ready: bool) -> None:
+    """Write a pod's Ready (and ContainersReady) condition, as the kubelet does from its readiness probe."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    conditions = [{**c, "status": "True" if ready else "False", "lastTransitionTime": now}
+                  if c["type"] in ("Ready", "ContainersReady") else c for c in pod["status"].get("conditions", [])]
+    # the uid is the patch's precondition: a StatefulSet's replacement pod has the same name
+    body = {"metadata": {"uid": pod["metadata"]["uid"]}, "status": {"conditions": conditions}}
+    try:
+        api.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], body,
+                                        _request_timeout=API_TIMEOUT)
+    except kubernetes.client.ApiException as exc:
+        if exc.status not in (404, 409):  # a pod gone (or replaced) meanwhile needs nothing
+            raise
