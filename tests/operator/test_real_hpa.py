@@ -1,0 +1,253 @@
+"""A HorizontalPodAutoscaler scales a fleet 1 -> 3 -> 1 through its scale subresource, under a steady load of
+streamed requests, on the real control plane with real engine processes; the metric comes from the fleet's own
+``/metrics`` through the project's custom-metrics adapter (``megatron-serve metrics-adapter``).
+
+Real: kube-apiserver and its aggregation layer (an APIService for ``custom.metrics.k8s.io/v1beta2`` whose Service
+is an ExternalName ``localhost``: the aggregator dials the adapter on this machine, with its front-proxy client
+certificate), the HPA controller in kube-controller-manager (which reads the metric through the aggregator and
+writes ``/scale``), the StatefulSet controller, the scheduler, the operator as a process with the chart's RBAC; the
+coordinator, the OpenAI server (whose ``/metrics`` the adapter scrapes) and the engines as processes (the tiny test
+model on the CPU); the adapter as a process holding a ServiceAccount's token. Simulated: the pods run under kwok, so
+the kubelet stand-in (real_kubelet.py) plays its part for the engine pods: a new engine group is a new
+StatefulSet whose pod the scheduler binds to the test's GPU node, and for which the stand-in starts a local engine
+process with that ``--group``; a group scaled away is a deleted StatefulSet, whose engine gets SIGTERM and drains.
+
+The control comes first, under the same load: with no custom-metrics API registered the HPA says the metric is
+unavailable (``ScalingActive=False``, ``FailedGetObjectMetric``) and nothing scales.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+from megatron_serve.client.coordinator_client import InferenceClient
+from tests.helpers import Children, free_port, metric_by_engine_group
+
+from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
+from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
+from .real_kubelet import Kubelet
+from .real_load import STREAMS, Load
+from .real_tools import condition, service_account_kubeconfig, until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NAME = "tiny"
+MAX_GROUPS = 3
+#: Seconds each phase may take under load.
+PHASE_TIMEOUT = 300
+#: Requests per engine group the HPA aims at. The load's 32 streams want ceil(32 / 6) = 6 groups, capped at 3; with 3
+#: groups serving the fleet held 22 of them at a time (each stream spends the rest between two requests, on a loaded
+#: host), still ceil(22 / 6) = 4; fewer than 3 groups would need 12 or fewer. None want the minimum, 1.
+PER_GROUP = 6
+METRIC = "megatron_serve_requests"
+SYNC_PERIOD = 15  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period (its default)
+#: The HPA's scale-down stabilization window: a loaded 2-core host stalls the fleet for seconds at a time (the streams
+#: between two requests then), and a window of 0 once read such a dip as the end of the load and scaled 3 -> 1 -> 3
+#: under it (each step drained two groups, without a failed request).
+DOWN_WINDOW = 30
+APISERVICE = "v1beta2.custom.metrics.k8s.io"
+ADAPTER_READER = "extension-apiserver-authentication-reader"  # the Role in kube-system that lets it read the CA
+
+
+def _hpa(namespace: str) -> dict[str, Any]:
+    """Scale on every request the fleet holds per engine group: up at once, down on the lowest wish of the last
+    :data:`DOWN_WINDOW` seconds (the default is 300 s; hpa-requests.yaml's 600 s: each step drains a group)."""
+    target = {"apiVersion": "serving.megatron.dev/v1alpha1", "kind": "MegatronInference", "name": NAME}
+    steps = [{"type": "Pods", "value": MAX_GROUPS, "periodSeconds": 15}]
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": NAME, "namespace": namespace},
+            "spec": {"scaleTargetRef": target, "minReplicas": 1, "maxReplicas": MAX_GROUPS,
+                     "metrics": [{"type": "Object", "object": {
+                         "describedObject": target, "metric": {"name": METRIC},
+                         "target": {"type": "AverageValue", "averageValue": str(PER_GROUP)}}}],
+                     "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0, "policies": steps},
+                                  "scaleDown": {"stabilizationWindowSeconds": DOWN_WINDOW, "policies": steps}}}}
+
+
+class Adapter:
+    """The adapter as a process on this machine, registered as the cluster's custom-metrics API: its serving
+    certificate, a ServiceAccount that may read the front proxy's CA, an ExternalName Service and the APIService."""
+
+    def __init__(self, fleet: Fleet, children: Children, workdir: pathlib.Path, metrics_url: str):
+        self.fleet, self.children, self.workdir, self.metrics_url = fleet, children, workdir, metrics_url
+        self.port = free_port()
+        self.binding = f"metrics-adapter-{fleet.kubectl.namespace}"[:63]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        kubectl = self.fleet.kubectl
+        cert, key = self.workdir / "adapter.crt", self.workdir / "adapter.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", str(key),
+                        "-out", str(cert), "-subj", "/CN=megatron-metrics-adapter",
+                        "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True)
+        kubectl.run("create", "serviceaccount", "metrics-adapter")
+        kubectl.run("create", "rolebinding", self.binding, "-n", "kube-system", f"--role={ADAPTER_READER}",
+                    f"--serviceaccount={kubectl.namespace}:metrics-adapter")
+        kubeconfig = service_account_kubeconfig(kubectl, "metrics-adapter", self.workdir / "adapter.kubeconfig")
+        self.process = self.children.spawn(
+            ["metrics-adapter", "--bind-address=127.0.0.1", f"--secure-port={self.port}", f"--tls-cert-file={cert}",
+             f"--tls-private-key-file={key}", f"--metrics-url={self.metrics_url}"], "metrics-adapter",
+            env={"KUBECONFIG": str(kubeconfig)})
+
+    def register(self) -> None:
+        kubectl = self.fleet.kubectl
+        kubectl.apply([
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "metrics-adapter"},
+             "spec": {"type": "ExternalName", "externalName": "localhost",
+                      "ports": [{"name": "https", "port": self.port}]}},
+            {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": APISERVICE},
+             "spec": {"group": "custom.metrics.k8s.io", "version": "v1beta2", "groupPriorityMinimum": 100,
+                      "versionPriority": 100, "insecureSkipTLSVerify": True,
+                      "service": {"name": "metrics-adapter", "namespace": kubectl.namespace, "port": self.port}}},
+        ])
+
+    def close(self) -> None:
+        self.fleet.kubectl.run("delete", "apiservice", APISERVICE, "--ignore-not-found", check=False)
+        self.fleet.kubectl.run("delete", "rolebinding", self.binding, "-n", "kube-system", "--ignore-not-found",
+                               check=False)
+
+
+def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(fleet: Fleet, tiny_model: str,
+                                                                            tmp_path: pathlib.Path):
+    kubectl = fleet.kubectl
+    port, http_port = free_port(), free_port()
+    resource = fleet.tiny_resource(NAME, tiny_model)
+    resource["spec"]["parallelism"]["data"] = 1
+    resource["spec"]["engine"].update(fleet.gpu_pool(1))  # 8 GPUs: room for the 3 one-GPU groups
+    fleet.prerequisites(resource)
+    fleet.operator(MEGATRON_OPERATOR_COORDINATOR_ADDRESS=f"tcp://127.0.0.1:{port}")
+    kubectl.apply([resource])
+    token = fleet.coordinator_token(NAME)
+    children = Children(tmp_path)
+    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
+    children.coordinator(tiny_model, port, env=env)
+    children.spawn(["server", "--model", tiny_model, "--coordinator", f"tcp://127.0.0.1:{port}", "--host",
+                    "127.0.0.1", "--port", str(http_port)], "server", env)
+    server = f"http://127.0.0.1:{http_port}"
+    kubelet = Kubelet(fleet, children, tiny_model, port, env, name=NAME).start()
+    adapter = Adapter(fleet, children, tmp_path, f"{server}/metrics")
+
+    def groups() -> int:
+        return int(fleet.mi(NAME)["spec"]["parallelism"]["data"])
+
+    def hpa() -> dict[str, Any]:
+        return kubectl.get("hpa", NAME) or {}
+
+    def settled(count: int) -> bool:
+        kubelet.check()
+        return groups() == count and kubelet.serving(count)
+
+    def metric_now() -> float:
+        """The metric as the HPA controller reads it: through the aggregation layer (a Quantity: ``12`` or
+        ``12500m``)."""
+        raw = kubectl.run("get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{kubectl.namespace}/"
+                                          f"megatroninferences.serving.megatron.dev/{NAME}/{METRIC}").stdout
+        value = json.loads(raw)["items"][0]["value"]
+        return float(value.removesuffix("m")) / 1000 if value.endswith("m") else float(value)
+
+    async def under_load(load: Load, done: Any, what: str) -> None:
+        await load.run_until(done, PHASE_TIMEOUT, what, check=kubelet.check, context=kubelet.describe)
+
+    async def scenario() -> None:
+        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=token)
+        await client.start(timeout=60)
+        try:
+            await asyncio.to_thread(until, lambda: settled(1), PHASE_TIMEOUT, "one engine group serving")
+            expected: dict[int, list[int]] = {}
+            warm = Load(client, expected)
+            began = time.monotonic()
+            await under_load(warm, lambda: time.monotonic() - began > 10, "10 s of the uninterrupted run")
+            assert warm.failed == [] and warm.finished > 0, warm.failed[:3]
+
+            # The control: the HPA under load, with no custom-metrics API registered. Past its condition, a sync
+            # period more: it keeps its one group under the whole load.
+            kubectl.apply([_hpa(kubectl.namespace)])
+            control = Load(client, expected)
+            began = time.monotonic()
+            await under_load(control, lambda: time.monotonic() - began > SYNC_PERIOD + 5 and
+                             condition(hpa(), "ScalingActive").get("status") == "False",
+                             "the HPA's ScalingActive=False")
+            unavailable = condition(hpa(), "ScalingActive")
+            print(control.line(f"control, no adapter ({STREAMS} streams)", time.monotonic() - began))
+            print(f"control: ScalingActive={unavailable['status']} {unavailable['reason']}: {unavailable['message']}")
+            assert unavailable["reason"] == "FailedGetObjectMetric", unavailable
+            assert METRIC in unavailable["message"] and "no custom metrics API" in unavailable["message"], unavailable
+            assert groups() == 1 and len(kubelet.pods) == 1
+            assert hpa()["status"]["currentReplicas"] == 1  # (its desiredReplicas is 0: none could be computed)
+
+            # The adapter registered: the HPA reads the metric and scales 1 -> 3 under the same load.
+            adapter.start()
+            adapter.register()
+            load = Load(client, expected)
+            began = time.monotonic()
+            marks: dict[str, float] = {}
+            counts = [1]  # the resource's engine groups, each change as it was seen
+
+            def seen() -> int:
+                if (now := groups()) != counts[-1]:
+                    counts.append(now)
+                return now
+
+            def three_serving() -> bool:
+                seen()
+                if "active" not in marks and condition(hpa(), "ScalingActive").get("status") == "True":
+                    marks["active"] = time.monotonic() - began
+                if "scaled" not in marks and groups() == MAX_GROUPS:
+                    marks["scaled"] = time.monotonic() - began
+                if not settled(MAX_GROUPS):
+                    return False
+                tokens = metric_by_engine_group(server, "megatron_serve_generation_tokens_total")
+                if not all(tokens.get(str(g), 0) > 0 for g in range(MAX_GROUPS)):  # every new group took requests
+                    return False
+                marks["value"] = metric_now()
+                return True
+
+            await under_load(load, three_serving, f"{MAX_GROUPS} engine groups serving, each with tokens generated")
+            up = time.monotonic() - began
+            print(load.line(f"scale up 1 -> {MAX_GROUPS}", up))
+            print(f"scale up: the HPA read the metric {marks.get('active', up):.0f}s after the adapter was registered, "
+                  f"wrote {MAX_GROUPS} groups to /scale at {marks['scaled']:.0f}s; all {MAX_GROUPS} served at "
+                  f"{up:.0f}s")
+
+            # The load ends: the metric falls to 0, and past the scale-down window the HPA goes back to its minimum;
+            # groups 2 and 1 drain.
+            print(f"{METRIC} through the aggregator with {MAX_GROUPS} groups serving: {marks['value']:g} "
+                  f"({marks['value'] / MAX_GROUPS:.1f} per group, target {PER_GROUP})")
+            engines = dict(kubelet.engines)
+            began = time.monotonic()
+            await asyncio.to_thread(until, lambda: seen() == 1 and settled(1), PHASE_TIMEOUT,
+                                    "the fleet back at one engine group")
+            down = time.monotonic() - began
+            gone = [process for group, process in engines.values() if group != 0]
+            await asyncio.to_thread(until, lambda: all(p.poll() is not None for p in gone), 60,
+                                    "the scaled-away engines to exit")
+            print(f"scale down {MAX_GROUPS} -> 1 after the load ended: {down:.0f}s (window {DOWN_WINDOW}s); the "
+                  f"scaled-away engines drained "
+                  f"and exited with {sorted(p.returncode for p in gone)}")
+            rescales = [e["message"] for e in kubectl.events(NAME) if e["reason"] == "SuccessfulRescale"
+                        and e["involvedObject"]["kind"] == "HorizontalPodAutoscaler"]
+            print("HPA events:", "; ".join(rescales), f"; engine groups seen: {counts}")
+            for phase in (control, load):
+                assert phase.failed == [], phase.failed[:3]
+                assert (phase.truncated, phase.repeated, phase.different) == (0, 0, 0)
+                assert phase.finished > 0
+            assert counts == [1, MAX_GROUPS, 1], counts
+            assert [p.returncode for p in gone] == [0] * (MAX_GROUPS - 1)
+            assert [m.split(";")[0] for m in rescales] == [f"New size: {MAX_GROUPS}", "New size: 1"], rescales
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kubelet.stop()
+        adapter.close()
+        children.kill_all()
+        kubectl.run("delete", "hpa", NAME, "--ignore-not-found", check=False)
