@@ -47,12 +47,15 @@ TRL := trl==1.16.0
 LM_EVAL := lm_eval==0.4.13
 # vLLM's and SGLang's own code for tests/server/rl/test_anchor_models.py, beside the venv (not in it: an importable
 # vllm changes what TRL imports): vLLM's protocol modules need these six small packages, SGLang's sources are read.
+# SkyRL's clients too (tests/server/rl/test_skyrl_client.py): skyrl 0.4.0 declares Python >= 3.12, and its client
+# modules run on 3.11 (tests/server/rl/skyrl_client.py says what does not); they need orjson beside pybase64.
 ANCHORS := .anchors
-ANCHOR_PACKAGES := vllm==0.33.0 sglang==0.5.23 cbor2 openai-harmony pybase64 cachetools cloudpickle py-cpuinfo
+ANCHOR_PACKAGES := vllm==0.33.0 sglang==0.5.23 cbor2 openai-harmony pybase64 cachetools cloudpickle py-cpuinfo \
+	skyrl==0.4.0 orjson==3.13.0
 $(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
 	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL) $(LM_EVAL)
-	$(PIP) install -q --no-deps --upgrade --target $(ANCHORS) $(ANCHOR_PACKAGES)
+	$(PIP) install -q --no-deps --upgrade --ignore-requires-python --target $(ANCHORS) $(ANCHOR_PACKAGES)
 	touch $(TESTING)
 
 # verl's side of tests/integrations/test_verl.py, in a venv of its own: verl 0.9.1 needs transformers<5.11 and Ray,

@@ -1,0 +1,58 @@
+"""SkyRL 0.4.0's own client code (:mod:`.skyrl_client`) generates and completes a weight update against a
+``megatron-serve run`` fleet of checkpoint A: its completions are A's served completions on epoch 0, then, after its
+fully-async weight sync pushed checkpoint B, B's served completions, every token on the next epoch.
+
+SkyRL's and vLLM's code come from ``.anchors`` (``make setup``); the runner is a process of its own, since importing
+vLLM changes what TRL imports in a test process. Where it departs from SkyRL as it ships (gloo for vLLM's NCCL, the
+package ``__init__`` that needs Python 3.12) the runner's docstring says exactly what.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_serve.tokenizer import Tokenizer
+
+from ...helpers import free_port
+from .weight_fleet import ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet  # noqa: F401 - fixtures
+
+ANCHORS = Path(__file__).parents[3] / ".anchors"
+RUNNER = Path(__file__).with_name("skyrl_client.py")
+pytestmark = pytest.mark.timeout(600)
+
+
+def run_skyrl(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
+    if not (ANCHORS / "skyrl").is_dir():
+        pytest.fail(f"skyrl 0.4.0 is not installed in {ANCHORS}: run `make setup` (after removing "
+                    ".venv/.installed-test where the venv predates it)")
+    admin_url = fleet.url.replace("://", f"://skyrl:{ADMIN_KEY}@", 1)  # the key as HTTP Basic's password
+    argv = [fleet.url, admin_url, fleet.model, model_dir, json.dumps(prompts), str(free_port())]
+    path = os.pathsep.join(filter(None, [str(ANCHORS), os.environ.get("PYTHONPATH")]))
+    ended = subprocess.run([sys.executable, str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
+                           env={**os.environ, "PYTHONPATH": path})
+    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
+    return json.loads(ended.stdout.strip().splitlines()[-1])
+
+
+def test_skyrls_own_clients_generate_then_push_a_checkpoint_and_generate_its_completions(fleet, checkpoints):
+    tokenizer = Tokenizer.from_pretrained(checkpoints.a)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    served = epoch(fleet)
+    result = run_skyrl(fleet, checkpoints.b, prompts)
+
+    assert result["before"]["responses"] == checkpoints.texts.a
+    assert result["after"]["responses"] == checkpoints.texts.b
+    for output in (result["before"], result["after"]):
+        assert [len(ids) for ids in output["response_ids"]] == [TOKENS] * len(PROMPTS)
+        assert output["stop_reasons"] == ["length"] * len(PROMPTS)
+        assert [len(lps) for lps in output["logprobs"]] == [TOKENS] * len(PROMPTS)
+    assert result["world_size"] == 1 and result["weight_version"] == 1
+    assert epoch(fleet) == served + 1
+    state = fleet.http.get("/v1/admin/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    assert state["state"] == "RUNNING"  # SkyRL's resume_generation after its keep-mode pause
