@@ -4,9 +4,9 @@
 ``PYTHONPATH`` (``skyrl==0.4.0`` and ``vllm==0.33.0`` installed there ``--no-deps``, ``make setup``). ``URL`` is
 the data plane (SkyRL's ``proxy_url``), ``ADMIN_URL`` the control plane (its ``server_urls``): the same server
 with the admin key as the password of the URL's userinfo, which both of SkyRL's HTTP clients (aiohttp and
-requests) send as HTTP Basic, as the server takes it. ``MODEL_NAME`` is the served model (SkyRL's ``model_name``), ``MODEL_DIR`` the checkpoint its trainer pushes.
-Prints one JSON line: ``{"before", "after", "world_size", "weight_version"}``, each completion as SkyRL's
-``InferenceEngineOutput`` holds it.
+requests) send as HTTP Basic, as the server takes it. ``MODEL_NAME`` is the served model (SkyRL's ``model_name``),
+``MODEL_DIR`` the checkpoint its trainer pushes. Prints one JSON line: ``{"before", "after", "world_size",
+"weight_version"}``, each completion as SkyRL's ``InferenceEngineOutput`` holds it.
 
 What runs is SkyRL's: ``RemoteInferenceClient`` (``inference_servers/remote_inference_client.py``: ``generate``
 through ``/inference/v1/generate`` and ``/detokenize``, ``get_world_size``, ``pause_generation``,
