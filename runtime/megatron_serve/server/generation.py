@@ -49,6 +49,11 @@ def _nothing() -> None:
 #: source each time; the ids only need to be unique among this process's client's requests).
 _ID_PREFIX = f"{uuid.uuid4().hex[:16]}-"
 _ID_NUMBERS = itertools.count()
+#: Engine requests of one HTTP request in the fleet at once; the rest are submitted as earlier ones finish. One
+#: request may ask for ``--max-choices`` of them (prompts x ``n``): sent at once, 160,000 of them filled the
+#: coordinator's queue and tables in one go (issue 86); as a window, the queue holds what the fleet can start soon,
+#: and the request's own order is kept (a later job starts only as an earlier one ends).
+SUBMIT_WINDOW = 1024
 
 
 class _Tagged:
@@ -152,12 +157,19 @@ class Submission:
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     ticket: Ticket | None = None  # its tenant's reservation (server.tenant_admission), settled and freed here
+    window: int | None = None  # engine requests submitted at once, the rest as these finish (None: SUBMIT_WINDOW)
 
     def __post_init__(self) -> None:
+        self.window = self.window or SUBMIT_WINDOW
         self.pending.acquire(len(self.jobs))
         self.ids = [f"{_ID_PREFIX}{next(_ID_NUMBERS)}" for _ in self.jobs]
         self.unfinished = set(self.ids)
         self._remaining = len(self.jobs)  # jobs whose final request did not come yet
+        self._submit: Callable[[int], None] | None = None  # submits job i (set by results or start_stream)
+        self._skip: Callable[[int], None] | None = None  # ends job i unsubmitted, as cut (:meth:`cut`)
+        self._submitted = 0  # jobs submitted (or, once cut, ended unsubmitted): the first ones, in order
+        self._ended = 0  # submitted jobs whose final request or error came
+        self._refilling = False
         self._render: Renderer[Any] | None = None  # a stream's chunk producer, and its writer (start_stream)
         self._writer: EventWriter | None = None
         self._forget_stop: Callable[[], None] = _nothing
@@ -180,28 +192,62 @@ class Submission:
             if not self.unfinished:
                 self.log.finished(self.label, self.done, self.started)
 
+    def _refill(self) -> None:
+        """Submit the next jobs while fewer than :attr:`window` submitted ones are unfinished (reentered from a
+        submission that fails at once: the outer pass goes on)."""
+        if self._refilling:
+            return
+        self._refilling = True
+        try:
+            while (self._submit is not None and self._submitted < len(self.jobs)
+                   and self._submitted - self._ended < self.window):
+                self._submitted += 1
+                self._submit(self._submitted - 1)
+        finally:
+            self._refilling = False
+
+    def _never_ran(self, index: int) -> DynamicInferenceRequest:
+        """Job ``index`` ended before it was submitted (:meth:`cut`): its answer, with nothing generated."""
+        job = self.jobs[index]
+        request = DynamicInferenceRequest(request_id=self.ids[index], prompt=None,
+                                          prompt_tokens=list(job.prompt.tokens), sampling_params=job.params)
+        request.status, request.finish_reason = RequestStatus.COMPLETED, FinishReason.ABORT
+        return request
+
+    def _ended_one(self) -> None:
+        """A submitted job's final request or error came: room for the next."""
+        self._ended += 1
+        self._refill()
+
     def cut(self) -> int:
         """End every unfinished engine request now, as the fleet's PAUSE in ``abort`` mode ends one: its answer comes
         with ``finish_reason`` ``abort`` and the tokens generated so far (vLLM's ``/abort_requests``, SGLang's
         ``/abort_request``: a trainer resubmits the rest), not with the error of a request its client gave up on.
         Returns how many it ended."""
+        skipped = 0
+        if self._submit is not None and self._skip is not None:  # the jobs not submitted yet end, cut, with nothing
+            skipped = len(self.jobs) - self._submitted
+            self._submit, self.window = self._skip, len(self.jobs)
+            self._refill()
         cut = self.unfinished - self.cut_ids
         self.cut_ids |= cut
         for request_id in cut:
             self.backend.abort(request_id)
-        return len(cut)
+        return len(cut) + skipped
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""
         self._forget_stop()
         self._forget_stop = _nothing  # it holds this submission (through its callback): no reference cycle left
+        self._submit = None  # nothing more is submitted
         if self.ticket is not None:
             self.ticket.close()
         if not self.unfinished:
             return
         count = len(self.unfinished)
         self.log.aborted(self.label, count, self.started)
-        for request_id in list(self.unfinished):
+        submitted = set(self.ids[:self._submitted])  # the others never reached the fleet: nothing to abort
+        for request_id in [rid for rid in self.unfinished if rid in submitted]:
             try:
                 self.backend.abort(request_id)
             except Exception:  # a closed client: nothing left to abort
@@ -215,14 +261,26 @@ class Submission:
     async def results(self) -> list[DynamicInferenceRequest]:
         """Every job's finished request, in job order; errors and cancellation abort the rest."""
         try:
-            try:
-                futures = [self.backend.add_request(job.prompt.tokens, job.params, request_id=request_id,
-                                                    **_images(job))
-                           for job, request_id in zip(self.jobs, self.ids)]
-            except Exception as exc:  # refused synchronously (e.g. a closed client): nothing to abort
-                for request_id in self.ids:
-                    self._finished(request_id, None)
-                raise _submission_error(exc) from None
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[DynamicInferenceRequest]] = [loop.create_future() for _ in self.jobs]
+
+            def submit(index: int) -> None:
+                job, slot = self.jobs[index], futures[index]
+                try:
+                    landed = self.backend.add_request(job.prompt.tokens, job.params, request_id=self.ids[index],
+                                                      **_images(job))
+                except Exception as exc:  # refused synchronously (e.g. a closed client): its error, in its place
+                    slot.set_exception(exc)
+                    self._ended_one()
+                    return
+                landed.add_done_callback(functools.partial(self._landed, slot))
+
+            def skip(index: int) -> None:
+                futures[index].set_result(self._never_ran(index))
+                self._ended += 1
+
+            self._submit, self._skip = submit, skip
+            self._refill()
             results: list[DynamicInferenceRequest] = []
             stopped = asyncio.get_running_loop().create_future()
             forget = self.stopping.on_set(lambda: stopped.done() or stopped.set_result(None))
@@ -244,6 +302,18 @@ class Submission:
         finally:
             self.close()
 
+    def _landed(self, slot: "asyncio.Future[DynamicInferenceRequest]",
+                landed: "asyncio.Future[DynamicInferenceRequest]") -> None:
+        """A submitted job's future resolved: its outcome into the job's own slot, and the next job submitted."""
+        if not slot.done():
+            if landed.cancelled():
+                slot.cancel()
+            elif landed.exception() is not None:
+                slot.set_exception(landed.exception())
+            else:
+                slot.set_result(landed.result())
+        self._ended_one()
+
     # ------------------------------------------------------------------ streams
 
     def start_stream(self, render: Renderer[Any], writer: EventWriter) -> None:
@@ -261,12 +331,20 @@ class Submission:
         if len(self.jobs) > 1:  # a step brings a piece of each: one chunk for them all
             writer.gather()
         self._forget_stop = self.stopping.on_set(lambda: self._fail(shutting_down()))
-        for job, rid in zip(self.jobs, self.ids):
+
+        def submit(index: int) -> None:
+            job, rid = self.jobs[index], self.ids[index]
             try:
                 self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
                                                       request_id=rid, **_images(job))
             except Exception as exc:  # refused at once (e.g. a lost coordinator): reported as an item
                 self.deliver(job, rid, exc)
+
+        def skip(index: int) -> None:
+            self.deliver(self.jobs[index], self.ids[index], self._never_ran(index))
+
+        self._submit, self._skip = submit, skip
+        self._refill()
 
     def deliver(self, job: EngineJob, request_id: str, item: Any) -> None:
         """One of ``job``'s items as it arrives (a piece, its final request or its error): its events made and
@@ -302,10 +380,12 @@ class Submission:
         (see :meth:`start_stream`); raises a job's error."""
         if isinstance(item, BaseException):
             self._finished(request_id, None)
+            self._ended += 1  # the answer ends with this error: nothing more is submitted
             raise _submission_error(item) if isinstance(item, Exception) else item
         if isinstance(item, DynamicInferenceRequest):
             self._remaining -= 1
             self._finished(request_id, item)
+            self._ended_one()
             result = check_result(item)
             held = self._held.pop(request_id, None)
             return [(job, result)] if held is None else [(job, held), (job, result)]
