@@ -180,7 +180,7 @@ def run_flood(model: str, requests: int) -> None:
               f"{percentile(values, 99) / p99:.2f} | {'' if rate is None else f'{rate:.0f}'} |")
 
 
-def run_crowd(model: str, connections: int, requests: int) -> None:
+def run_crowd(model: str, connections: int, requests: int, control: bool = True) -> None:
     """``chat`` (``critical``) alone, then under ``connections`` streams of ``bulk``: ``sheddable`` with shedding on
     (refused floods come straight back), ``sheddable`` and ``standard`` with shedding off, and the control where
     both are ``standard``."""
@@ -210,7 +210,7 @@ def run_crowd(model: str, connections: int, requests: int) -> None:
     for name, doc, shedding in (("bulk sheddable, shedding on", docs["sheddable"], ""),
                                 ("bulk sheddable, shedding off", docs["sheddable"], NO_SHEDDING),
                                 ("bulk standard", docs["standard"], NO_SHEDDING),
-                                ("control: both standard", docs["control"], NO_SHEDDING)):
+                                ("control: both standard", docs["control"], NO_SHEDDING))[:None if control else 3]:
         ttfts, rate, refused = with_stack(model, f"{base} {shedding} --api-key-file {doc}", under_crowd)
         rows.append((name, ttfts, rate, refused))
     print(f"\ncrowd: bulk keeps {connections} connections of 256-token streams ({SLOTS} slots), chat (critical; "
@@ -292,6 +292,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("flood", "crowd", "weights", "overhead"), action="append")
     parser.add_argument("--requests", type=int, default=40, help="chat's requests per flood level")
     parser.add_argument("--connections", type=int, default=200, help="the crowd's flood connections")
+    parser.add_argument("--no-control", action="store_true",
+                        help="the crowd without its control (chat waits behind the flood there: minutes)")
     parser.add_argument("--seconds", type=float, default=20.0, help="the weights' window")
     parser.add_argument("--baseline", help="a checkout of the tree before tenants, for the overhead's control")
     parser.add_argument("--repeats", type=int, default=2)
@@ -308,7 +310,7 @@ def main() -> None:
     if "flood" in only:
         run_flood(model, args.requests)
     if "crowd" in only:
-        run_crowd(model, args.connections, args.requests)
+        run_crowd(model, args.connections, args.requests, not args.no_control)
     if "weights" in only:
         run_weights(model, args.seconds)
     if "overhead" in only:

@@ -3,9 +3,9 @@
 A 503 costs the server's event loop a request's parsing and answer, and a flood that sends every refused request
 straight back (ignoring ``Retry-After``) turns that into all of the loop: 200 connections of a ``sheddable`` tenant
 against a saturated fleet were refused 400 times a second, and the ``critical`` tenant's requests, whose tokens pass
-through the same loop, waited behind them (TTFT 9.6x its time alone at p50, 13.7x at p99; docs/tenants.md). Held
+through the same loop, waited behind them (docs/tenants.md has the figures). Held
 refusals cost a sleeping coroutine each: a flood then gets its answers at :data:`REFUSALS_PER_SECOND`, however many
-connections it holds, while a client that honours ``Retry-After`` never meets the hold.
+connections it holds, while clients that honour ``Retry-After`` meet the hold only past that rate.
 
 The schedule is the generic cell rate algorithm (a token bucket kept as one time per tenant, the "theoretical
 arrival time"): a burst of :data:`REFUSAL_BURST` is answered at once, then one refusal each ``1 / rate`` seconds;
