@@ -66,8 +66,8 @@ class Candidates:
     def file(self, engine: EngineRecord) -> None:
         """File ``engine`` under its load now (out, when it has no room or is not usable)."""
         engine_id = engine.engine_id
-        version = self._versions.get(engine_id, 0) + 1
-        self._versions[engine_id] = version
+        versions = self._versions
+        version = versions[engine_id] = versions.get(engine_id, 0) + 1
         if not (self.room(engine) and self.usable(engine)):
             self._members.pop(engine_id, None)
             return

@@ -35,5 +35,7 @@ class FleetWeights:
         """Whether requests may go to ``engine``: when the fleet's weights, or the engine's, came from a
         trainer, only if it holds the fleet's epoch (one that joined later, or that a failed transfer
         left on other weights, waits unrouted for the next refit to include it)."""
-        trainer = any((weights or "").startswith(RENDEZVOUS_SCHEME) for weights in (self.source, engine.weights))
-        return not trainer or engine.epoch == self.epoch
+        if engine.epoch == self.epoch:  # asked per dispatch: the common answer first, without a generator
+            return True
+        return not ((self.source or "").startswith(RENDEZVOUS_SCHEME)
+                    or (engine.weights or "").startswith(RENDEZVOUS_SCHEME))
