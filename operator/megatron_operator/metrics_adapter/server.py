@@ -38,8 +38,8 @@ class MetricsAdapter:
         self.rules, self.metrics_url, self.proxy = rules, metrics_url, proxy
         self.http = httpx.AsyncClient(timeout=scrape_timeout)
 
-    async def scrape(self, namespace: str, name: str) -> str:
-        response = await self.http.get(self.metrics_url.format(name=name, namespace=namespace))
+    async def scrape(self, url: str) -> str:
+        response = await self.http.get(url)
         response.raise_for_status()
         return response.text
 
@@ -59,7 +59,7 @@ class MetricsAdapter:
                                 "over the fleet and takes no selector")
         url = self.metrics_url.format(name=name, namespace=namespace)
         try:
-            sums = sample_sums(await self.scrape(namespace, name))
+            sums = sample_sums(await self.scrape(url))
         except (httpx.HTTPError, ValueError) as exc:
             return _status(503, f"{metric} of {namespace}/{name}: scraping {url} failed: {type(exc).__name__}: {exc}")
         if fleet_unknown(sums):
