@@ -58,8 +58,15 @@ def test_a_rolling_update_and_a_node_drain_under_streamed_load(fleet: Fleet, tin
     children.coordinator(tiny_model, port, env=env)
     kubelet = Kubelet(fleet, children, tiny_model, port, env, name=NAME).start()
 
-    def progressing() -> dict[str, Any]:
-        return condition(fleet.mi(NAME), "Progressing")
+    def patch(spec: dict[str, Any]) -> int:
+        """``kubectl patch`` of the resource's spec; returns the generation it made."""
+        kubectl.run("patch", "mi", NAME, "--type=merge", "-p", json.dumps({"spec": spec}))
+        return int(fleet.mi(NAME)["metadata"]["generation"])
+
+    def progressing(reason: str, generation: int) -> bool:
+        """The resource's Progressing condition has ``reason`` for ``generation`` (not a stale one of before)."""
+        found = condition(fleet.mi(NAME), "Progressing")
+        return found.get("reason") == reason and int(found.get("observedGeneration") or 0) >= generation
 
     async def under_load(load: Load, done: Any, what: str) -> None:
         await load.run_until(done, SCENARIO_TIMEOUT, what, check=kubelet.check, context=kubelet.describe)
@@ -79,28 +86,27 @@ def test_a_rolling_update_and_a_node_drain_under_streamed_load(fleet: Fleet, tin
 
             # a rolling update: a new image tag
             before = {p["metadata"]["uid"] for p in kubelet.pods}
-            kubectl.run("patch", "mi", NAME, "--type=merge", "-p", json.dumps({"spec": {"image": "example.com/x:v2"}}))
+            generation = patch({"image": "example.com/x:v2"})
             load = Load(client, expected)
             began = time.monotonic()
 
             def rolled() -> bool:
                 return kubelet.serving(GROUPS) and not {p["metadata"]["uid"] for p in kubelet.pods} & before
 
-            await under_load(load, rolled, "every group on the new template, serving")
+            await under_load(load, lambda: rolled() and progressing("Complete", generation),
+                             "every group on the new template, serving, and Progressing Complete")
             lines.append(load.line("rolling update (2 groups)", time.monotonic() - began))
             rolling = load
 
             # a bad rollout: a GPU no node has; group 0 moves, is never placed, the rollout halts; then a revert
-            kubectl.run("patch", "mi", NAME, "--type=merge", "-p",
-                        json.dumps({"spec": {"engine": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}}}))
+            generation = patch({"engine": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}})
             load = Load(client, expected)
             began = time.monotonic()
-            await under_load(load, lambda: progressing().get("reason") == "ProgressDeadlineExceeded",
+            await under_load(load, lambda: progressing("ProgressDeadlineExceeded", generation),
                              "Progressing=False ProgressDeadlineExceeded")
             halted_after = time.monotonic() - began
-            kubectl.run("patch", "mi", NAME, "--type=merge", "-p",
-                        json.dumps({"spec": {"engine": {"nodeSelector": {"nvidia.com/gpu.product": None}}}}))
-            await under_load(load, lambda: kubelet.serving(GROUPS) and progressing().get("reason") == "Complete",
+            generation = patch({"engine": {"nodeSelector": {"nvidia.com/gpu.product": None}}})
+            await under_load(load, lambda: kubelet.serving(GROUPS) and progressing("Complete", generation),
                              "the reverted groups serving and Progressing Complete")
             lines.append(load.line(f"bad rollout halted after {halted_after:.0f}s (deadline {DEADLINE}s), reverted",
                                    time.monotonic() - began))
