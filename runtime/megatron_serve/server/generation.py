@@ -271,6 +271,7 @@ class Submission:
                                                       **_images(job))
                 except Exception as exc:  # refused synchronously (e.g. a closed client): its error, in its place
                     slot.set_exception(exc)
+                    slot.exception()  # see _landed
                     self._ended_one()
                     return
                 landed.add_done_callback(functools.partial(self._landed, slot))
@@ -310,6 +311,7 @@ class Submission:
                 slot.cancel()
             elif landed.exception() is not None:
                 slot.set_exception(landed.exception())
+                slot.exception()  # read here: after an earlier job's error nobody awaits it, and asyncio would log it
             else:
                 slot.set_result(landed.result())
         self._ended_one()
