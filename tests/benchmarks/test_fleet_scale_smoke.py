@@ -14,8 +14,8 @@ def test_the_scale_benchmark_prints_a_row_per_size():
     result = subprocess.run([sys.executable, str(BENCHMARK), "--engines", "4,20", "--queued", "500,2000",
                              "--completions", "400"], capture_output=True, text=True, timeout=300, cwd=BENCHMARK.parent)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = re.findall(r"^\| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
-                      r"([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
+    rows = re.findall(r"^\| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) \| ([\d.]+) \| "
+                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", result.stdout, re.M)
     # 4 engines: the small queue only (the largest runs at the largest fleet); 20 engines: both
     assert [(engines, queued) for engines, queued, *_ in rows] == [("4", "436"), ("20", "180"), ("20", "1,680")], \
         result.stdout
