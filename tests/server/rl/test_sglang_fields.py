@@ -1,9 +1,9 @@
 """SGLang's request fields a text request carries and ``GET /v1/loads``, as AReaL and slime send and read them, and
 SkyRL's ``/finish_session``.
 
-AReaL's SGLang backend (``areal/engine/sglang_remote.py``, AReaL 4aef98d) always sends ``"image_data": null``;
-slime (``slime/backends/sglang_utils/server_control.py``, slime 624b824: ``abort_server_until_idle``) aborts and
-then polls ``/v1/loads?include=core`` until ``num_requests_from_load`` is 0. Against ``FakeBackend`` (shapes) and
+AReaL's SGLang backend (``areal/engine/sglang_remote.py``) always sends ``image_data``: ``null`` at AReaL 4aef98d,
+``[]`` in areal 1.0.4; slime (``slime/backends/sglang_utils/server_control.py``, slime 624b824:
+``abort_server_until_idle``) aborts and then polls ``/v1/loads?include=core`` until ``num_requests_from_load`` is 0. Against ``FakeBackend`` (shapes) and
 the controlled fleet (loads), no model.
 """
 
@@ -46,7 +46,9 @@ async def test_a_text_request_with_generate_req_inputs_neutral_fields_is_served(
         answer = await http.post("/generate", json=body)
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["output_ids"]) == 2
-        for field, value in (("image_data", "aGk="), ("return_hidden_states", True), ("lora_path", "/adapter"),
+        no_images = await http.post("/generate", json={**body, "image_data": [], "video_data": []})  # areal 1.0.4's
+        assert no_images.status_code == 200, no_images.text
+        for field, value in (("image_data", "aGk="), ("image_data", [""]), ("return_hidden_states", True), ("lora_path", "/adapter"),
                              ("input_embeds", [[0.5]])):
             refused = error_of(await http.post("/generate", json={**body, field: value}))
             assert refused["param"] == field and "not served by /generate" in refused["message"]

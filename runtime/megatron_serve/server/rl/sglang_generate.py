@@ -86,20 +86,23 @@ class SglangGenerateRequest(BaseModel):
     @classmethod
     def _neutral_fields(cls, data: Any) -> Any:
         """GenerateReqInput's other fields (:data:`NEUTRAL`): a text request carries them at their neutral value
-        (AReaL's backend always sends ``image_data: null``), dropped here; another value asks for what this route
-        does not do, a 400 naming the field."""
+        (AReaL's backend always sends ``image_data``: ``[]`` in areal 1.0.4, ``null`` at its HEAD 4aef98d), dropped
+        here; another value asks for what this route does not do, a 400 naming the field."""
         if not isinstance(data, dict) or not NEUTRAL.keys() & data.keys():
             return data
         kept = {}
         for name, value in data.items():
             if name not in NEUTRAL:
                 kept[name] = value
-            elif value != NEUTRAL[name][0]:
+            elif value != NEUTRAL[name][0] and not (value == [] and name in NO_ITEMS):
                 raise bad_request(f"{name}: {NEUTRAL[name][1]} is not served by /generate here (send "
                                   f"{json.dumps(NEUTRAL[name][0])} or leave it out)", param=name,
                                   code="unsupported_parameter")
         return kept
 
+
+#: Multimodal inputs that an empty list leaves empty as ``null`` does (SGLang normalizes both to no items).
+NO_ITEMS = frozenset({"image_data", "video_data", "audio_data"})
 
 #: SGLang ``GenerateReqInput`` fields (0.5.23) a text request carries at their neutral value: name -> (that value,
 #: what another value asks for).
