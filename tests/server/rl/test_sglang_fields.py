@@ -3,8 +3,8 @@ SkyRL's ``/finish_session``.
 
 AReaL's SGLang backend (``areal/engine/sglang_remote.py``) always sends ``image_data``: ``null`` at AReaL 4aef98d,
 ``[]`` in areal 1.0.4; slime (``slime/backends/sglang_utils/server_control.py``, slime 624b824:
-``abort_server_until_idle``) aborts and then polls ``/v1/loads?include=core`` until ``num_requests_from_load`` is 0. Against ``FakeBackend`` (shapes) and
-the controlled fleet (loads), no model.
+``abort_server_until_idle``) aborts and then polls ``/v1/loads?include=core`` until ``num_requests_from_load`` is 0.
+Against ``FakeBackend`` (shapes) and the controlled fleet (loads), no model.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ async def test_a_text_request_with_generate_req_inputs_neutral_fields_is_served(
         assert len(answer.json()["output_ids"]) == 2
         no_images = await http.post("/generate", json={**body, "image_data": [], "video_data": []})  # areal 1.0.4's
         assert no_images.status_code == 200, no_images.text
-        for field, value in (("image_data", "aGk="), ("image_data", [""]), ("return_hidden_states", True), ("lora_path", "/adapter"),
-                             ("input_embeds", [[0.5]])):
+        for field, value in (("image_data", "aGk="), ("image_data", [""]), ("return_hidden_states", True),
+                             ("lora_path", "/adapter"), ("input_embeds", [[0.5]])):
             refused = error_of(await http.post("/generate", json={**body, field: value}))
             assert refused["param"] == field and "not served by /generate" in refused["message"]
         empty = await http.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2,
