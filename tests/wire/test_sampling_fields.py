@@ -74,6 +74,8 @@ def _set(row: SamplingField) -> object:
         return not row.default
     if row.kind is str:
         return "s"
+    if row.kind is list:  # token ids
+        return [2, 3]
     for candidate in (2, 0.5):
         value = row.kind(candidate)
         if value != row.default and _inside(row.request_bounds, value) and _inside(row.bounds, value):

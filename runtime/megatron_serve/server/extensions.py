@@ -79,7 +79,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "length_penalty": "beam search",
     "early_stopping": "beam search",
     "bad_words": "bad words",
-    "allowed_token_ids": "restricting the vocabulary",
     "guided_whitespace_pattern": "a custom whitespace pattern for guided decoding (the guided_* fields themselves work)",
     "structural_tag": "structural tags (guided_json, guided_regex, guided_choice and guided_grammar work)",
     "chat_template": "a per-request chat template",

@@ -64,14 +64,14 @@ class ResponseFormat(_Request):
 
 
 def _copied_fields() -> type[BaseModel]:
-    """The request fields of the sampling parameters the server copies, one per row of the table: ``kind | None``,
-    its range (the request's, where it differs from the engine's) and its description (an extension's from
-    ``extensions.py``, which lists the rows' own)."""
+    """The request fields of the sampling parameters the server copies, one per row of the table: its body type (a
+    list's items typed) or None, its range (the request's, where it differs from the engine's) and its description
+    (an extension's from ``extensions.py``, which lists the rows' own)."""
     fields: dict[str, Any] = {}
     for row in COPIED:
         limits = row.request_bounds.pydantic(row.kind) if row.request_bounds is not None else {}
         info = extension(row.http, **limits) if row.extension else Field(None, description=row.http_doc, **limits)
-        fields[row.http] = (Optional[row.kind], info)
+        fields[row.http] = (Optional[row.body_type], info)
     return create_model("SamplingFields", **fields)
 
 

@@ -21,7 +21,7 @@ from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
 from ..wire.placement import Placement
-from ..wire.sampling_fields import copied_from_http
+from ..wire.sampling_fields import COPIED, copied_from_http
 from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
@@ -102,14 +102,19 @@ def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, floa
     return bias
 
 
-def _stop_token_ids(req: _SamplingRequest, vocab_size: int | None) -> list[int]:
-    """``stop_token_ids``, each a token id of the vocabulary (the count is checked with the limits)."""
-    ids = list(req.stop_token_ids or [])
+def _token_ids(name: str, ids: list[int] | None, vocab_size: int | None) -> list[int]:
+    """The token ids of request field ``name``, each of the vocabulary (the count is checked with the limits)."""
+    ids = list(ids or [])
     outside = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
     if outside is not None:
-        raise bad_request(f"stop_token_ids: {outside} is not a token id of this model's vocabulary [0, {vocab_size})",
-                          param="stop_token_ids", code="invalid_token_id")
+        raise bad_request(f"{name}: {outside} is not a token id of this model's vocabulary [0, {vocab_size})",
+                          param=name, code="invalid_token_id")
     return ids
+
+
+#: The copied rows that are lists of token ids (``allowed_token_ids``): checked against the vocabulary as
+#: ``stop_token_ids`` is.
+_TOKEN_ID_ROWS = tuple(row for row in COPIED if row.kind is list)
 
 
 def structured_outputs(req: _SamplingRequest, limits: RequestLimits,
@@ -378,10 +383,13 @@ _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "stop_words": "stop", "t
 def controls(req: _SamplingRequest, vocab_size: int | None, constraint: StructuredOutputsParams | None,
              prompt_log_probs: bool = False) -> dict[str, object]:
     """The ``SamplingParams`` fields of a request that are checked against the model (token ids of its vocabulary),
-    its output constraint and prompt scoring (the copied fields: see ``sampling_params``)."""
+    its output constraint and prompt scoring (the copied fields: see ``sampling_params``; their token-id lists are
+    checked here)."""
+    for row in _TOKEN_ID_ROWS:
+        _token_ids(row.http, getattr(req, row.http), vocab_size)  # type: ignore[arg-type] - copied rows have one
     return {
         "logit_bias": _logit_bias(req, vocab_size),
-        "stop_token_ids": _stop_token_ids(req, vocab_size),
+        "stop_token_ids": _token_ids("stop_token_ids", req.stop_token_ids, vocab_size),
         "structured_outputs": constraint,
         "return_prompt_log_probs": prompt_log_probs,
     }

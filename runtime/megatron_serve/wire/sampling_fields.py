@@ -206,9 +206,10 @@ FIELDS: tuple[SamplingField, ...] = (
     # What an iterated generate yields (vLLM's RequestOutputKind: 0 cumulative, 1 deltas, 2 the final output only):
     # the Python API's side only, as in vLLM, where the HTTP server picks it by ``stream``.
     SamplingField("output_kind", int, RequestOutputKind.CUMULATIVE, Bounds(0, 2), vllm="output_kind"),
-    # vLLM's: only these tokens may be sampled (every other one's logit is masked out, for greedy rows too).
-    SamplingField("allowed_token_ids", list, None, vllm="allowed_token_ids", stage=CONTROL,
-                  annotation="list[int] | None"),
+    SamplingField("allowed_token_ids", list, None, http="allowed_token_ids", copied=True,
+                  http_doc="only these token ids may be generated: every other token's logit is masked out, greedy "
+                           "rows' too" + _VLLM, extension=True, vllm="allowed_token_ids", stage=CONTROL,
+                  annotation="list[int] | None", body=list[int]),
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

@@ -70,7 +70,7 @@ async def test_generate_refuses_what_it_cannot_honour_naming_the_field(tokenizer
             ({"token_ids": [600]}, "token_ids"),
             ({"token_ids": [5], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens"),
             ({"token_ids": [5], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-            ({"token_ids": [5], "sampling_params": {"allowed_token_ids": [5]}}, "sampling_params.allowed_token_ids"),
+            ({"token_ids": [5], "sampling_params": {"allowed_token_ids": [600]}}, "sampling_params.allowed_token_ids"),
             ({"token_ids": [5], "sampling_params": {"extra_args": {"my_processor": 1}}},
              "sampling_params.extra_args.my_processor"),
             ({"token_ids": [5], "features": {"mm_hashes": {}}}, "features"),
