@@ -61,6 +61,16 @@ def _ready(url: str) -> tuple[int, dict]:
     return answer.status_code, answer.json()
 
 
+def _engineless(children: Children, model: str, *flags: str) -> tuple[int, str, str]:
+    """A coordinator and a server (``flags``: the server's, a probe port added) with no engine yet: the coordinator's
+    port, the server's URL and its probe port's."""
+    port = free_port()
+    children.coordinator(model, port)
+    probe_port = free_port()
+    url = _server(children, model, port, *flags, "--health-port", str(probe_port))
+    return port, url, f"http://127.0.0.1:{probe_port}"
+
+
 def _until_ready(url: str, status: int, held: bool, missing: list[str] | None = None) -> dict:
     """Poll ``/ready`` until it answers ``status`` with ``held`` (and, when given, names exactly ``missing``: a
     server that has not yet reached its coordinator is 503 too, for another reason). The probe port follows the
@@ -87,11 +97,8 @@ def _ask(url: str) -> str:
 
 def test_a_request_to_a_fleet_with_no_engine_waits_for_the_first_one_and_is_answered(tiny_model: str, tmp_path: Path):
     children = Children(tmp_path)
-    port = free_port()
     try:
-        children.coordinator(tiny_model, port)
-        probes = f"http://127.0.0.1:{(probe_port := free_port())}"
-        url = _server(children, tiny_model, port, "--scale-from-zero-timeout", "240", "--health-port", str(probe_port))
+        port, url, probes = _engineless(children, tiny_model, "--scale-from-zero-timeout", "240")
         for where in (url, probes):  # no engine, but the server takes requests: Ready, so its Service sends them
             body = _until_ready(where, 200, held=True)
             assert body["ready"] and body["engines"] == 0 and body["missing"] == ["engines"], body
@@ -155,11 +162,8 @@ def test_with_holding_off_the_default_a_fleet_without_engines_is_not_ready(tiny_
     """The control: without --scale-from-zero-timeout nothing is held, and /ready is 503 on both ports while no engine
     is registered (a load balancer sends nothing), as a vLLM server without an engine would be."""
     children = Children(tmp_path)
-    port = free_port()
     try:
-        children.coordinator(tiny_model, port)
-        probes = f"http://127.0.0.1:{(probe_port := free_port())}"
-        url = _server(children, tiny_model, port, "--health-port", str(probe_port))
+        port, url, probes = _engineless(children, tiny_model)
         for where in (url, probes):
             body = _until_ready(where, 503, held=False, missing=["engines"])
             assert "none is registered" in body["detail"], body
