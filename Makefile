@@ -67,10 +67,18 @@ VERL := verl==0.9.1
 VERL_INSTALLED := $(VERL_VENV)/.installed
 UV_PIP = $(VENV)/bin/uv pip install -q --python $(VERL_VENV)/bin/python \
 	$(foreach link,$(PIP_FIND_LINKS) $(shell $(PIP) config get global.find-links 2>/dev/null),--find-links $(link))
+# AReaL's remote engines (tests/server/rl/test_areal_client.py) run in that venv too: their import chain needs Ray,
+# torchdata, hydra and uvloop, which it has; areal and the rest of that chain go --no-deps into a folder of their own
+# (numba and llvmlite for areal/utils/seqpack.py; openai, httpx2 and jiter, flask, lark, pybase64 and small ones).
+AREAL_ANCHORS := .anchors-areal
+AREAL_PACKAGES := areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 flask==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 \
+	lark==1.3.1 numba==0.68.1 llvmlite==0.50.0 einops==0.8.2 aiofiles==25.1.0 openai==3.57.0 httpx2==2.16.2 jiter==0.19.0 \
+	pybase64==1.5.1
 $(VERL_INSTALLED): $(TESTING)
 	$(VENV)/bin/uv venv -q --allow-existing --python $(PY) $(VERL_VENV)
 	$(UV_PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(UV_PIP) $(TORCH) $(VERL) 'transformers<5.11' 'ray[default]' -e .
+	$(PIP) install -q --no-deps --upgrade --target $(AREAL_ANCHORS) $(AREAL_PACKAGES)
 	touch $(VERL_INSTALLED)
 
 verl-env: $(VERL_INSTALLED)
@@ -127,4 +135,4 @@ image:
 		-t $(IMAGE):$(VERSION) .
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .models build dist site *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(ANCHORS) $(AREAL_ANCHORS) .models build dist site *.egg-info

@@ -1,0 +1,59 @@
+"""AReaL 1.0.4's own remote engines (:mod:`.areal_client`) generate and complete a weight update against a
+``megatron-serve run`` fleet of checkpoint A: ``RemotevLLMEngine``'s completions are A's served completions on
+version 0; after its distributed weight update pushed checkpoint B they are B's, on version 1 and the fleet's next
+epoch, and ``RemoteSGLangEngine``'s are B's too.
+
+AReaL runs in ``.venv-verl`` (Ray and the rest of its import chain) with ``.anchors-areal`` on its path
+(``make setup``), in a process of its own; the runner's docstring says what is not AReaL's (the trainer's side of
+the group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_serve.tokenizer import Tokenizer
+
+from ...helpers import free_port
+from .weight_fleet import ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).parents[3]
+VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
+AREAL = ROOT / ".anchors-areal"
+RUNNER = Path(__file__).with_name("areal_client.py")
+pytestmark = pytest.mark.timeout(600)
+
+
+def run_areal(fleet, model_dir: str, new_model_dir: str, prompts: list[list[int]]) -> dict:
+    if not VERL_PYTHON.exists() or not (AREAL / "areal").is_dir():
+        pytest.fail(f"AReaL's environment is missing ({VERL_PYTHON}, {AREAL}/areal): run `make setup`")
+    addr = fleet.url.removeprefix("http://").replace("127.0.0.1", f"areal:{ADMIN_KEY}@127.0.0.1", 1)
+    argv = [addr, model_dir, new_model_dir, json.dumps(prompts), str(free_port())]
+    ended = subprocess.run([str(VERL_PYTHON), str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
+                           env={**os.environ, "PYTHONPATH": str(AREAL)})
+    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
+    return json.loads(ended.stdout.strip().splitlines()[-1])
+
+
+def texts(fleet, outputs: list[dict]) -> list[str]:
+    return [fleet.http.post("/detokenize", json={"model": fleet.model, "tokens": o["output_tokens"]}).json()["prompt"]
+            for o in outputs]
+
+
+def test_areals_own_engines_generate_then_push_a_checkpoint_and_generate_its_completions(fleet, checkpoints):
+    tokenizer = Tokenizer.from_pretrained(checkpoints.a)
+    served = epoch(fleet)
+    result = run_areal(fleet, checkpoints.a, checkpoints.b, [tokenizer.encode(p) for p in PROMPTS])
+
+    assert texts(fleet, result["vllm_before"]) == checkpoints.texts.a
+    assert texts(fleet, result["vllm_after"]) == checkpoints.texts.b
+    assert texts(fleet, result["sglang_after"]) == checkpoints.texts.b
+    for outputs, version in (("vllm_before", 0), ("vllm_after", 1), ("sglang_after", 1)):
+        assert [o["output_versions"] for o in result[outputs]] == [[version] * TOKENS] * len(PROMPTS)
+        assert {o["stop_reason"] for o in result[outputs]} == {"length"}
+    assert epoch(fleet) == served + 1
