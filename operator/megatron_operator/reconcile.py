@@ -107,7 +107,9 @@ def settled(sts: dict[str, Any]) -> bool:
     observed = status.get("observedGeneration")
     if generation is not None and (observed is None or int(observed) < int(generation)):
         return False
-    return int(status.get("readyReplicas") or 0) >= replicas and int(status.get("updatedReplicas", replicas) or 0) >= replicas
+    # A count of 0 is left out of the object (omitempty): a controller that has just seen a new template writes no
+    # updatedReplicas while the old pod is still counted ready, and that group is rolling, not settled.
+    return int(status.get("readyReplicas") or 0) >= replicas and int(status.get("updatedReplicas") or 0) >= replicas
 
 
 def group_ready(sts: dict[str, Any] | None, pods: int) -> bool:

@@ -90,3 +90,17 @@ def test_a_group_past_the_deadline_is_halted_and_the_next_one_waits():
     result = asyncio.run(reconcile.Reconciler(kube).children(_desired("v2"), name="x", namespace="ns", uid=None,
                                                              progress_deadline_seconds=602, now=NOW))
     assert result.halted == [] and result.rolling == ["x-engine-0"]
+
+
+def test_a_group_whose_controller_saw_its_new_template_but_whose_old_pod_still_runs_is_rolling():
+    """The StatefulSet controller's first status after a template change: observedGeneration caught up, the old pod
+    still counted Ready, and ``updatedReplicas`` 0, which the API server leaves out of the object (omitempty). The
+    group is rolling: the next group waits (reading the missing field as all replicas updated once moved both groups
+    of a real cluster's fleet at once, and a bad template took every engine down)."""
+    moved = _sts(0, "v2", True)
+    del moved["status"]["updatedReplicas"]
+    kube = _Kube({"x-engine-0": moved, "x-engine-1": _sts(1, "v1", True), "x-engine-2": _sts(2, "v1", True)})
+    result = asyncio.run(reconcile.Reconciler(kube).children(_desired("v2"), name="x", namespace="ns", uid=None,
+                                                             now=NOW))
+    assert kube.patched == [] and result.rolling == ["x-engine-0"]
+    assert result.deferred == ["x-engine-1", "x-engine-2"]
