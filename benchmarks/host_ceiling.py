@@ -67,6 +67,14 @@ class Level:
         seconds = busiest.cpu
         return (self.tokens / seconds if seconds else float("inf")), f"{busiest.role} {busiest.pid}"
 
+    def waited_per_1k(self) -> dict[str, float]:
+        """Milliseconds per 1,000 output tokens each role's threads were ready to run and waited for a core: no
+        CPU, but sampled where they resumed (``stage_profile``'s docstring), so a stage split to read with care."""
+        waited = dict.fromkeys(ROLES, 0.0)
+        for item in self.sampled:
+            waited[item.role] += item.waited * 1e6 / self.tokens
+        return waited
+
     def summary(self) -> dict:
         table = self.per_1k()
         rate, busiest = self.ceiling()
@@ -74,6 +82,7 @@ class Level:
                 "tokens": self.tokens, "tokens_per_s": self.tokens / self.elapsed,
                 "ceiling_tokens_per_s": rate, "busiest": busiest,
                 "ms_per_1k": {role: sum(table[s][role] for s in NAMES) for role in ROLES},
+                "waited_ms_per_1k": self.waited_per_1k(),
                 "stages": {stage: row for stage, row in table.items() if any(row.values())}}
 
 
@@ -88,6 +97,8 @@ def print_level(level: Level, sampling: bool) -> None:
             for stage in NAMES if any(table[stage].values())]
     totals = summary["ms_per_1k"]
     rows.append(["process total", *(f"{totals[r]:.2f}" for r in ROLES), f"{sum(totals.values()):.2f}"])
+    waited = summary["waited_ms_per_1k"]
+    rows.append(["waiting for a core (not CPU)", *(f"{waited[r]:.2f}" for r in ROLES), f"{sum(waited.values()):.2f}"])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

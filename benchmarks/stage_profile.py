@@ -7,7 +7,13 @@ read off its file and function, so a stage moves when the code moves between fil
 from outside (``--nonblocking``: they are never paused) and counts a thread only while it seems to be on a CPU; as it
 can take a thread waiting (for a lock, the GIL) for a running one, a thread's samples share out only that thread's
 own CPU time: a mostly idle thread's few samples cannot claim a busy thread's time. CPU time is each thread's
-``schedstat`` (nanoseconds); a thread that ends during the load takes its time with it. Threads that run no Python
+``schedstat`` (nanoseconds); a thread that ends during the load takes its time with it.
+
+What the split cannot see: ``py-spy`` takes a thread that is ready to run but waits for a core for a running one, and
+such a thread is sampled where it resumes, most often just past a blocking call (the event loop's ``run`` after its
+``epoll_wait``, a ZeroMQ receive). On a machine with more runnable threads than cores those stages read high with
+time that was no CPU. ``schedstat`` counts that wait too (its second field): :attr:`Sampled.waited` is each process's,
+and the benchmark prints it beside the stages, so a reader sees how much of a level's samples may be waiting. Threads that run no Python
 (ZeroMQ's I/O threads, named ``ZMQbg/...``) have no sample: their CPU is the ``transport`` stage's. What no stage
 claims (garbage collection, logging, a thread no sample reached) is ``other``.
 """
@@ -97,9 +103,10 @@ def read_raw(path: Path) -> dict[int, Counter[str]]:
     return counts
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of ``pid``: its name and CPU seconds so far (``/proc``: ``schedstat``'s nanoseconds, where
-    ``stat``'s clock ticks count 10 ms at a time). Empty once the process is gone."""
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float, float]]:
+    """Each thread of ``pid``: its name, CPU seconds so far and seconds it waited, ready to run, for a core (``/proc``:
+    ``schedstat``'s nanoseconds, where ``stat``'s clock ticks count 10 ms at a time). Empty once the process is
+    gone."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
@@ -107,8 +114,8 @@ def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     threads = {}
     for task in tasks:
         try:
-            threads[int(task.name)] = ((task / "comm").read_text().strip(),
-                                       int((task / "schedstat").read_text().split()[0]) / 1e9)
+            on_cpu, waited = (task / "schedstat").read_text().split()[:2]
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), int(on_cpu) / 1e9, int(waited) / 1e9)
         except OSError:  # ended meanwhile
             continue
     return threads
@@ -127,8 +134,9 @@ class Sampled:
     role: str
     raw: Path
     spy: subprocess.Popen | None
-    started: dict[int, tuple[str, float]]
+    started: dict[int, tuple[str, float, float]]
     used: dict[int, tuple[str, float]] = field(default_factory=dict)  # CPU over the load, by thread
+    waited: float = 0.0  # seconds its threads were ready to run and waited for a core, over the load (not CPU)
     samples: dict[int, Counter[str]] = field(default_factory=dict)
 
     @property
@@ -181,8 +189,10 @@ class StageProfile:
         """Each process's CPU over the load and its samples by stage."""
         for item in self._sampled:
             now = thread_cpu_seconds(item.pid)
-            item.used = {tid: (name, seconds - item.started.get(tid, ("", 0.0))[1])
-                         for tid, (name, seconds) in now.items()}
+            item.used = {tid: (name, seconds - item.started.get(tid, ("", 0.0, 0.0))[1])
+                         for tid, (name, seconds, _) in now.items()}
+            item.waited = sum(waited - item.started.get(tid, ("", 0.0, 0.0))[2]
+                              for tid, (_, _, waited) in now.items())
         for item in self._sampled:
             if item.spy is not None:
                 item.spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from tests.helpers import load_script
@@ -32,12 +33,15 @@ def test_a_tiny_sweep_prints_each_level_by_process_and_stage(tmp_path):
         assert level["tokens"] >= 16 * 4 * (2 if level["mode"] == "sampled" else 1), level
         assert level["tokens_per_s"] > 0 and level["ceiling_tokens_per_s"] > 0
         assert level["ms_per_1k"]["server"] > 0 and level["ms_per_1k"]["engines"] > 0, level
+        assert set(level["waited_ms_per_1k"]) == {"server", "coordinator", "engines"}, level
+        assert min(level["waited_ms_per_1k"].values()) >= 0, level
     sampled_stages = set().union(*(level["stages"] for level in levels))
     # the engines' samples land in the engine's stages, the server's in the HTTP path's: stacks were read and named
     assert {"sample", "step plan"} <= sampled_stages or {"sample", "engine loop"} <= sampled_stages, sampled_stages
     server_stages = {stage for level in levels for stage, row in level["stages"].items() if row["server"] > 0}
     assert server_stages - {"other"}, server_stages  # the HTTP servers' samples too
     assert result.stdout.count("| process total") == 4
+    assert result.stdout.count("| waiting for a core (not CPU)") == 4
 
 
 def test_a_stack_is_named_by_its_innermost_claimed_frame():
@@ -71,3 +75,11 @@ def test_the_stand_in_gives_fixed_rows_of_the_vocabulary():
     assert first.shape == (3, 1000)
     assert torch.equal(logits.take(100, 1000, torch.device("cpu"))[:3], first)  # grown: the same rows again
     assert (first[:, : forward.TRAINED_WORDS].mean() > first[:, forward.TRAINED_WORDS:].mean() + 5)
+
+
+def test_each_thread_reads_its_cpu_and_its_wait_for_a_core():
+    profile = load_script("stage_profile", BENCHMARKS / "stage_profile.py")
+    sum(range(2_000_000))  # some CPU of this thread's own
+    name, on_cpu, waited = profile.thread_cpu_seconds(os.getpid())[threading.get_native_id()]
+    assert name and on_cpu > 0 and waited >= 0
+    assert profile.thread_cpu_seconds(2**22 + 1) == {}  # no such process: nothing, not an error
