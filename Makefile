@@ -83,7 +83,15 @@ $(VERL_INSTALLED): $(TESTING)
 
 verl-env: $(VERL_INSTALLED)
 
-setup: $(TESTING) $(VERL_INSTALLED)
+# The partition tests cut links inside network namespaces with iptables (tests/chaos); as root, a machine without it
+# gets Debian's package, once. Elsewhere those tests skip and say why.
+SYSTEM_TOOLS := $(VENV)/.installed-system
+$(SYSTEM_TOOLS): $(PY)
+	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get install -y -qq iptables >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iptables; }; }
+	touch $(SYSTEM_TOOLS)
+
+setup: $(TESTING) $(VERL_INSTALLED) $(SYSTEM_TOOLS)
 
 # `make-tiny-model` (a random model of any shape) is what the tests that need one make.
 run: $(RUNTIME)
@@ -112,7 +120,7 @@ KUBE_ENV = $(if $(MEGATRON_KUBECONFIG),,KUBECONFIG="$$tmp/kube/kubeconfig" MEGAT
 kube-tools:
 	$(KUBE_CLUSTER) build
 
-test: $(TESTING) $(VERL_INSTALLED) kube-tools
+test: $(TESTING) $(VERL_INSTALLED) $(SYSTEM_TOOLS) kube-tools
 	$(PY) -m compileall -q runtime operator kernels tests > /dev/null
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
 	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \
