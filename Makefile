@@ -44,6 +44,9 @@ $(RUNTIME): $(PY) pyproject.toml
 # (evaluate, scikit-learn, rouge-score...): the test extras hold what its API and hf models and our tasks import.
 TORCHTITAN := torchtitan==0.3.0
 TRL := trl==1.16.0
+# TRL 1.10 (its own `trl vllm-serve` protocol, tests/server/rl/test_trl110_client.py) beside it, in a folder of its own.
+TRL110_ANCHORS := .anchors-trl110
+TRL110 := trl==1.10.0
 LM_EVAL := lm_eval==0.4.13
 # vLLM's and SGLang's own code for tests/server/rl/test_anchor_models.py, beside the venv (not in it: an importable
 # vllm changes what TRL imports): vLLM's protocol modules need these six small packages, SGLang's sources are read.
@@ -56,6 +59,7 @@ $(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
 	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL) $(LM_EVAL)
 	$(PIP) install -q --no-deps --upgrade --ignore-requires-python --target $(ANCHORS) $(ANCHOR_PACKAGES)
+	$(PIP) install -q --no-deps --upgrade --target $(TRL110_ANCHORS) $(TRL110)
 	touch $(TESTING)
 
 # verl's side of tests/integrations/test_verl.py, in a venv of its own: verl 0.9.1 needs transformers<5.11 and Ray,
@@ -143,4 +147,4 @@ image:
 		-t $(IMAGE):$(VERSION) .
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(ANCHORS) $(AREAL_ANCHORS) .models build dist site *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(ANCHORS) $(AREAL_ANCHORS) $(TRL110_ANCHORS) .models build dist site *.egg-info
