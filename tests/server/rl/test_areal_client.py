@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def run_areal(fleet, model_dir: str, new_model_dir: str, prompts: list[list[int]]) -> dict:
     if not VERL_PYTHON.exists() or not (AREAL / "areal").is_dir():
-        pytest.fail(f"AReaL's environment is missing ({VERL_PYTHON}, {AREAL}/areal): run `make setup`")
+        pytest.fail(f"AReaL's environment is missing ({VERL_PYTHON}, {AREAL}/areal): run `make setup` (after "
+                    "removing .venv-verl/.installed where that venv predates it)")
     addr = fleet.url.removeprefix("http://").replace("127.0.0.1", f"areal:{ADMIN_KEY}@127.0.0.1", 1)
     argv = [addr, model_dir, new_model_dir, json.dumps(prompts), str(free_port())]
     ended = subprocess.run([str(VERL_PYTHON), str(RUNNER), *argv], capture_output=True, text=True, timeout=540,

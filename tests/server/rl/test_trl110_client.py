@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def run_trl110(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
     if not (TRL110 / "trl").is_dir():
-        pytest.fail(f"trl 1.10.0 is not installed in {TRL110}: run `make setup`")
+        pytest.fail(f"trl 1.10.0 is not installed in {TRL110}: run `make setup` (after removing "
+                    ".venv/.installed-test where the venv predates it)")
     base_url = fleet.url.replace("://", f"://trl:{ADMIN_KEY}@", 1)  # the key as HTTP Basic's password
     argv = [base_url, model_dir, json.dumps(prompts), str(free_port())]
     ended = subprocess.run([sys.executable, str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
