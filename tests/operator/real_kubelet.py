@@ -84,6 +84,7 @@ class Kubelet:
         self.wake.set()
         for thread in self.threads:
             thread.join(timeout=API_TIMEOUT + 5)
+        self.api.api_client.close()
 
     def check(self) -> None:
         """Raise with the reason if this kubelet can no longer do its part."""
