@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.sampling.sampler import filtered_logits
+from megatron_serve.engine.sampling.filters import FilterRows, filtered_logits
 from megatron_serve.engine.sampling.sampling_state import SamplingState
 from megatron_serve.engine.sampling.logits_processors import apply_controls, apply_token_bitmask, unpack_bitmask
 
@@ -111,8 +111,8 @@ def test_bitmask_unpacks_every_bit_including_the_sign_bit():
 
 def test_min_p_keeps_only_tokens_near_the_most_likely():
     logits = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.5, 0.3, 0.2, 0.0]]).log()
-    probs = filtered_logits(logits, torch.tensor([0, 0]), torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.0]),
-                            max_top_k=0, any_top_p=False, any_min_p=True).softmax(-1)
+    min_p = torch.tensor([0.5, 0.0])
+    probs = filtered_logits(logits, FilterRows({"min_p": min_p}.__getitem__, frozenset({"min_p"}), 0)).softmax(-1)
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.3, 0.2, 0.0]))
 

@@ -15,7 +15,7 @@ key whose value becomes its default, and the per-slot input the sampler reads it
 * the engine keeps one per-slot vector per ``sampler`` input (``engine/sampling/sampling_state.py``), and the parity checker
   scores a request again with its ``FILTER`` rows (``engine/sampling/logprob_parity.py``).
 
-So a new sampling parameter is a row here, the op that applies it (``engine/sampling/sampler.py`` for a filter,
+So a new sampling parameter is a row here, the op that applies it (``engine/sampling/filters.py`` for a filter,
 ``engine/sampling/logits_processors.py`` for a penalty or control, the control row's tables in
 ``engine/sampling/sampling_state.py`` for one that is a fixed bias or mask, as ``allowed_token_ids``) and its test.
 Standard library only: the HTTP server and the coordinator import it without torch.
@@ -210,6 +210,11 @@ FIELDS: tuple[SamplingField, ...] = (
                   http_doc="only these token ids may be generated: every other token's logit is masked out, greedy "
                            "rows' too" + _VLLM, extension=True, vllm="allowed_token_ids", stage=CONTROL,
                   annotation="list[int] | None", body=list[int]),
+    SamplingField("typical_p", float, 1.0, Bounds(0.0, 1.0, above=0.0), "typical_p", True, _float,
+                  Bounds(maximum=1.0, above=0.0),
+                  http_doc="locally typical sampling: keep the tokens whose surprisal is nearest the entropy until "
+                           "their mass reaches typical_p; 1 = off (transformers', TGI's and llama.cpp's name)",
+                  extension=True, sampler="typical_p", stage=FILTER),
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...wire.sampling_params import LOGPROBS_MODES, SamplingParams
+from .filters import FilterRows, filtered_logits, lone_rows
 from .sampling_state import MASK32, SamplingState, StepRows, fmix32
 
 
@@ -115,53 +116,6 @@ class DeviceSample:
         return SampleResult(token_ids, log_probs, top_ids, top_log_probs)
 
 
-def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
-    """Each row of ``values`` sorted, largest first (values only: no indices are needed).
-
-    On a CPU, torch's sort took 3.4 ms for 64 rows of 512 and numpy's in-place sort (SIMD) 0.12 ms; it sorts
-    the negated copy through a numpy view of its memory (no tensor built from Python data).
-    """
-    if values.device.type != "cpu":
-        return torch.sort(values, dim=-1, descending=True).values
-    negated = (-values).contiguous()
-    negated.numpy().sort(axis=-1)
-    return negated.neg_()
-
-
-def filtered_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    max_top_k: int, any_top_p: bool, any_min_p: bool) -> torch.Tensor:
-    """``scaled`` (logits over temperature) with what each row's min-p, top-k and top-p drop set to -inf.
-
-    Min-p first drops tokens less likely than ``min_p`` times the most likely one (vLLM's order).
-    Top-k keeps every token at least as likely as the k-th (ties stay; 0: off); top-p then keeps the
-    most likely tokens until the mass strictly before the next one reaches ``top_p`` (the most likely
-    token always stays, even for a subnormal ``top_p``), and every token as likely as the last kept
-    (ties stay). Both are thresholds on the row's sorted values, so only a step with a top-p row sorts,
-    and top-k alone needs the k largest values only (``max_top_k``: the largest k of the step). Each
-    row's result depends on that row alone. ``top_k``, ``top_p``, ``min_p``: ``[rows]`` device tensors.
-    """
-    if any_min_p:
-        probs = scaled.softmax(-1)
-        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    if not any_top_p and not max_top_k:
-        return scaled
-    vocab = scaled.shape[-1]
-    k_active = (top_k > 0)[:, None]
-    kth_index = (top_k.clamp(min=1, max=vocab) - 1)[:, None]
-    if not any_top_p:
-        width = min(max_top_k, vocab)
-        kth = torch.topk(scaled, width).values.gather(1, kth_index.clamp(max=width - 1))
-        return scaled.masked_fill((scaled < kth) & k_active, float("-inf"))
-    ordered = _sorted_descending(scaled)
-    kth = ordered.gather(1, kth_index)
-    below_k = (scaled < kth) & k_active
-    probs = ordered.masked_fill((ordered < kth) & k_active, float("-inf")).softmax(-1)
-    kept = ((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p >= 1.0)[:, None]
-    kept[:, 0] = True
-    last = ordered.gather(1, kept.sum(-1, keepdim=True) - 1)  # kept is a prefix of the sorted row
-    return scaled.masked_fill(below_k | (scaled < last), float("-inf"))
-
-
 #: int64 elements of the noise's hash computed at a time on a CPU (whole rows, at least one): the chunk's scratch
 #: stays in a core's cache between the hash's dozen passes, where the whole batch's went out to memory at each.
 _CHUNK = 1 << 15
@@ -232,11 +186,10 @@ class Sampler:
             tokens = torch.argmax(logits, dim=-1)
         else:
             state = self.state
-            # x / 1.0 is x: at temperature 1 (every sampled row of an RL rollout) the logits are used as they are
-            scaled = logits if rows.unit_temperature else logits / state.vector("temperature")[rows.slot][:, None]
-            processed = filtered_logits(scaled, state.vector("top_k")[rows.slot], state.vector("top_p")[rows.slot],
-                                        state.vector("min_p")[rows.slot], rows.max_top_k, rows.uses("top_p"),
-                                        rows.uses("min_p"))
+            # only the filters some row uses run: at temperature 1 and no filter (every sampled row of an RL
+            # rollout) the logits are used as they are
+            processed = filtered_logits(logits, FilterRows(lambda name: state.vector(name)[rows.slot], rows.inputs,
+                                                           rows.max_top_k))
             if rows.all_sampled and processed is logits:
                 # Every row draws from the logits as they are. A row with no finite maximum (NaN or infinite
                 # logits) would take its logits' argmax without noise below; finite noise added to it moves no
@@ -261,18 +214,12 @@ class Sampler:
     @staticmethod
     def processed_alone(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Rows of model ``logits`` ``[rows, vocab]`` float32 as :meth:`launch` processes a row sampled with
-        ``params`` that has no logit controls or grammar: over the temperature, then min-p, top-k and top-p
-        (a greedy row: the logits). The same ops on the same values as in a step (a row's processing
-        depends on that row alone), so what a processed mode reports for it, bit for bit."""
+        ``params`` that has no logit controls or grammar: through the filters it uses (a greedy row: the logits).
+        The same ops on the same values as in a step (a row's processing depends on that row alone), so what a
+        processed mode reports for it, bit for bit."""
         if params.is_greedy:
             return logits
-        rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
-        top_k = min(params.top_k, vocab)
-        scaled = logits / torch.full((rows, 1), params.temperature, dtype=torch.float32, device=device)
-        processed = filtered_logits(scaled, torch.full((rows,), top_k, dtype=torch.int64, device=device),
-                                    torch.full((rows,), params.top_p, dtype=torch.float32, device=device),
-                                    torch.full((rows,), params.min_p, dtype=torch.float32, device=device),
-                                    top_k, params.top_p < 1.0, params.min_p > 0.0)
+        processed = filtered_logits(logits, lone_rows(params, logits.shape[0], logits.device))
         return torch.where(torch.isfinite(processed.amax(-1))[:, None], processed, logits)
 
     def _reported(self, model_logits: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:

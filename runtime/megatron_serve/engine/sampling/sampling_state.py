@@ -92,7 +92,6 @@ class StepRows:
         self.any_sampled = not all(i.greedy for i in infos)
         self.all_sampled = not any(i.greedy for i in infos)
         self.inputs: frozenset[str] = frozenset().union(*(i.inputs for i in infos))  # used by some row
-        self.unit_temperature = "temperature" not in self.inputs
         self.max_top_k = max((i.top_k for i in infos if not i.greedy), default=0)
         self.any_controls = any(i.control for i in infos)
         self.any_penalties = not self.inputs.isdisjoint(_PENALTY_INPUTS)
