@@ -47,12 +47,13 @@ PHASE_TIMEOUT = 300
 #: host), still ceil(22 / 6) = 4; fewer than 3 groups would need 12 or fewer. None want the minimum, 1.
 PER_GROUP = 6
 METRIC = "megatron_serve_requests"
-SYNC_PERIOD = 15  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period (its default)
+SYNC_PERIOD = 5  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period on tools/kube-cluster (default 15)
 #: The HPA's scale-down stabilization window. The metric is a gauge read at one instant, and the streams, all of one
 #: length, finish in waves: a read under the full load once found 11 requests (the rest finished and not yet sent
 #: again), and with a window of 0 such a read scaled 3 -> 1 -> 3 under the load (two groups drained, no stream
-#: failed). The window keeps the most groups wanted over its span, so the load's reads hold the scale.
-DOWN_WINDOW = 30
+#: failed). The window keeps the most groups wanted over its span, so the load's reads hold the scale: 4 reads of the
+#: controller's (one a sync period).
+DOWN_WINDOW = 4 * SYNC_PERIOD
 APISERVICE = "v1beta2.custom.metrics.k8s.io"
 ADAPTER_READER = "extension-apiserver-authentication-reader"  # the Role in kube-system that lets it read the CA
 
