@@ -8,10 +8,10 @@ import os
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..heap import pause_collection_until_started
 from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
-from ..coordinator.routing import KNOWN_POLICIES
 from .inputs import parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
+from .options import (add_insecure_option, add_log_option, add_routing_options, add_token_option, read_token,
+                      setup_logging)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,12 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "its tokenizer directory to clients, which tokenize and make the text)")
     parser.add_argument("--host", default="0.0.0.0", help="interface to bind (0.0.0.0 = all)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
-    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
-                        help="which engine group gets a request")
-    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
-                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
-                             "without a request of it; until then its requests go back to that engine while it is "
-                             "under its load bound (docs/kv-routing.md)")
+    add_routing_options(parser)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                         help="remove an engine silent for this long and re-queue its requests")
     parser.add_argument("--verb-timeout", type=float, default=60.0, metavar="S",

@@ -2,6 +2,7 @@
 
 * the fleet secret: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (``docs/security.md``), and
   ``--insecure`` for a fleet without one (benchmarks);
+* the coordinator's routing (``--routing``, ``--session-affinity-ttl``), which ``run`` passes to the one it starts;
 * one logging format for every long-running process;
 * one exit code for a serving command stopped by a signal (:func:`stopped_exit_code`).
 """
@@ -14,6 +15,7 @@ import os
 import signal
 import sys
 
+from ..coordinator.routing import KNOWN_POLICIES
 from ..wire.security import TOKEN_ENV
 
 
@@ -21,6 +23,17 @@ def add_token_option(parser: argparse.ArgumentParser, default: str = "none") -> 
     parser.add_argument("--token-file", metavar="PATH",
                         help=f"file holding the fleet secret, at least 32 random characters: it encrypts the "
                              f"fleet's connections and proves who may join (default: ${TOKEN_ENV}, else {default})")
+
+
+def add_routing_options(parser: argparse.ArgumentParser) -> None:
+    """The coordinator's choice of engine group, declared once for ``coordinator`` and ``run`` (whose coordinator
+    takes them as given)."""
+    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
+                        help="which engine group gets a request")
+    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
+                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
+                             "without a request of it; until then its requests go back to that engine while it is "
+                             "under its load bound (docs/kv-routing.md)")
 
 
 def add_insecure_option(parser: argparse.ArgumentParser) -> None:

@@ -42,8 +42,8 @@ from .inputs import check_model_dir, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
 from .stack_ports import StackPorts, check_distinct, reserve_ports
-from .options import (add_insecure_option, add_log_option, add_token_option, read_token, setup_logging,
-                      stopped_exit_code)
+from .options import (add_insecure_option, add_log_option, add_routing_options, add_token_option, read_token,
+                      setup_logging, stopped_exit_code)
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
                      status_options, tenancy_options)
@@ -78,13 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                         help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
                              "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
                              "port)")
-    parser.add_argument("--routing", default="least_loaded",
-                        choices=["least_loaded", "round_robin", "prefix_affinity", "kv_aware"],
-                        help="which engine group gets a request")
-    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
-                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
-                             "without a request of it; until then its requests go back to that engine while it is "
-                             "under its load bound (docs/kv-routing.md)")
+    add_routing_options(parser)
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
                                                          "the run's own temporary directory, removed when it ends)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
