@@ -29,6 +29,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..fleet.argv import disaggregated_roles
@@ -244,30 +245,29 @@ def curl_example(url: str, model: str, bearer: str = "", note: str = "") -> str:
     return f"try ({note}): {command}" if note else f"try: {command}"
 
 
+@dataclass(eq=False)
 class _Stack:
     """One run of the whole stack; ``main()`` returns the exit code."""
 
-    def __init__(self, args: argparse.Namespace, config: Any, api_key: str | None, token: str | None,
-                 files: ServingFiles, ports: StackPorts) -> None:
-        self.args = args
-        self.config = config
-        self.api_key = api_key
-        self.token = token
-        self.files = files
-        self.ports = ports
-        self.fleet: Any = None
-        self.client: Any = None
-        self.stop = asyncio.Event()
-        self.signals = 0
-        self.first_signal: int | None = None  # what stopped it: its exit code (stopped_exit_code)
-        self.forced = False
-        self.task: asyncio.Task | None = None
-        self.published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
-        self.janitor: Janitor | None = None
-        self.endpoint = ""  # http://host:port/v1, once bound
-        self.address = ""  # the coordinator's, once it listens
-        self.siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
-        self.sizes: asyncio.Task | None = None  # elastic expert groups: follows their sizes wanted (_follow_sizes)
+    args: argparse.Namespace
+    config: Any
+    api_key: str | None
+    token: str | None
+    files: ServingFiles
+    ports: StackPorts
+    fleet: Any = None
+    client: Any = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    signals: int = 0
+    first_signal: int | None = None  # what stopped it: its exit code (stopped_exit_code)
+    forced: bool = False
+    task: asyncio.Task | None = None
+    published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
+    janitor: Janitor | None = None
+    endpoint: str = ""  # http://host:port/v1, once bound
+    address: str = ""  # the coordinator's, once it listens
+    siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
+    sizes: asyncio.Task | None = None  # elastic expert groups: follows their sizes wanted (_follow_sizes)
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1

@@ -129,22 +129,20 @@ class Saturation:
                 f"of its KV cache in use")
 
 
+@dataclass(slots=True, eq=False)
 class Ticket:
     """One admitted request's reservation: counted per engine request (:meth:`finished`), settled and freed once
     (:meth:`close`: one change to the budgets per request, which a store shared between processes pays for).
     ``limited``: whether its tenant has limits (its reservation is in the tenancy's budgets); ``slots``: its engine
     requests, what it holds of its tenant's ``max_concurrent``."""
 
-    __slots__ = ("tenancy", "tenant", "limited", "label", "slots", "closed", "unused")
-
-    def __init__(self, tenancy: "Tenancy", tenant: Tenant, limited: bool, label: str, slots: int) -> None:
-        self.tenancy = tenancy
-        self.tenant = tenant
-        self.limited = limited
-        self.label = label
-        self.slots = slots
-        self.closed = False
-        self.unused = 0  # reserved tokens the finished engine requests did not generate
+    tenancy: "Tenancy"
+    tenant: Tenant
+    limited: bool
+    label: str
+    slots: int
+    closed: bool = False
+    unused: int = 0  # reserved tokens the finished engine requests did not generate
 
     def finished(self, request: Any) -> None:
         """One engine request finished (a ``DynamicInferenceRequest``): its unused tokens noted, its series count."""
