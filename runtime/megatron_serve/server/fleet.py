@@ -134,6 +134,13 @@ class FleetMonitor:
             self._refreshing = asyncio.ensure_future(self.refresh())
         await asyncio.wait({self._refreshing}, timeout=self.ready_timeout)
 
+    async def as_of_now(self) -> None:
+        """The probes' wait (``/ready``, ``/metrics``): the first poll, then, while the coordinator answers, a fresh
+        status (a fleet paused a moment ago is not ready), or the last one past ``ready_timeout``."""
+        await self.wait_first_poll()
+        if self.reachable:
+            await self.fresh()
+
     async def refresh(self) -> dict[str, Any] | None:
         """Ask for a fresh status now; on failure the fleet counts as unreachable, or busy (see the module)."""
         try:

@@ -39,9 +39,7 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
                          "(200, `held` true, `engines` 0) while the queue of held requests has room: the server takes "
                          "them and serves them once an engine registers. `/health` is the liveness answer.")
     async def ready() -> Response:
-        await monitor.wait_first_poll()
-        if monitor.reachable:
-            await monitor.fresh()  # the state as of now (a fleet paused a moment ago is not ready), or the last
+        await monitor.as_of_now()
         draining = "this server is shutting down (draining)" if ctx.drain.draining.is_set() else None
         held = draining is None and ctx.wake is not None and ctx.wake.holds()
         full = None if draining or ctx.wake is None else ctx.wake.full()
@@ -61,8 +59,6 @@ def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
                          "queue-time histograms, preemptions, prefix-cache queries and hits), the coordinator's "
                          "queue depth, lifecycle state and refits, and this server's own requests.")
     async def prometheus_metrics() -> Response:
-        await monitor.wait_first_poll()
-        if monitor.reachable:
-            await monitor.fresh()
+        await monitor.as_of_now()
         data, content_type = ctx.metrics.render()
         return Response(content=data, media_type=content_type)
