@@ -48,6 +48,7 @@ class FakeStepOutput:
     new_log_probs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
+    top_p_token_ids: list[list[int]] | None = None  # a fake keeps no filter's ids
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
     epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
     prompt_scores: None = None

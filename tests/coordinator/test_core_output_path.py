@@ -60,9 +60,10 @@ def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_the
     rows = np.arange(8, dtype=np.uint8).reshape(4, 1, 2)
     scores = PromptScores(log_probs=[-1.0, -2.0])
     send_step(h, e1, delta([5], new_log_probs=[-0.5], epochs=[[3], [2]], cached_tokens=1, prompt_scores=scores,
-                           routing=RoutingRows(start=0, **routing_to_wire(rows[:3]))))
+                           routing=RoutingRows(start=0, **routing_to_wire(rows[:3])), top_p_token_ids=[[5, 2]]))
     send_step(h, e1, delta([6, 7], new_log_probs=[-0.6, -0.7], epochs=[[3, 3], [2, 2]],
-                           routing=RoutingRows(start=3, **routing_to_wire(rows[3:]))))
+                           routing=RoutingRows(start=3, **routing_to_wire(rows[3:])),
+                           top_p_token_ids=[[6, 1], [7]]))
     h.take(C)
     h.send(C, Header.HELLO, Hello(role="client", client_id="c1", acks=True, protocol=PROTOCOL_VERSION))  # it reconnects
     h.take(C, Header.HELLO_ACK)
@@ -74,6 +75,7 @@ def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_the
     assert (resent.new_tokens, resent.new_log_probs, resent.epochs) == ([6, 7], [-0.6, -0.7],
                                                                         [[3, 3], [2, 2], [-1, -1]])
     assert resent.cached_tokens == 1 and resent.prompt_scores == scores and resent.routing.start == 0
+    assert resent.top_p_token_ids == [[6, 1], [7]]  # return_top_p_token_ids: each token's kept ids
     assert np.array_equal(np.frombuffer(resent.routing.data, np.uint8).reshape(4, 1, 2), rows)
 
 

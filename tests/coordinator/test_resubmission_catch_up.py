@@ -148,7 +148,7 @@ def test_a_catch_up_is_cut_where_the_client_has_tokens_and_its_lists_with_it(hav
     """Tokens 12-15 from index 3, of which 12 came with a resubmission (no log prob, no epochs of its own)."""
     catch_up = TokenDelta(new_tokens=[12, 13, 14, 15], new_log_probs=[-1.3, -1.4, -1.5],
                           epochs=[[0, 0, 1], [0, 1, 1], [-1, -1, -1]], top_ids=[[13], [14], [15]],
-                          top_log_probs=[[-1.3], [-1.4], [-1.5]])
+                          top_log_probs=[[-1.3], [-1.4], [-1.5]], top_p_token_ids=[[13, 2], [14], [15, 3]])
     past = delta_past(catch_up, 3, have)
     if kept is None:
         assert past is None
@@ -156,6 +156,7 @@ def test_a_catch_up_is_cut_where_the_client_has_tokens_and_its_lists_with_it(hav
     assert past.new_tokens == kept
     n = min(len(kept), 3)
     assert past.new_log_probs == [-1.3, -1.4, -1.5][-n:] and past.top_ids == [[13], [14], [15]][-n:]
+    assert past.top_p_token_ids == [[13, 2], [14], [15, 3]][-n:]
     assert past.epochs == [[0, 0, 1][-n:], [0, 1, 1][-n:], [-1, -1, -1][-n:]]
 
 

@@ -13,10 +13,12 @@ import argparse
 import logging
 import math
 
+import msgspec
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine.sampling import logprob_parity
 from megatron_serve.engine.sampling.logprob_parity import SCORING_PREFIX, chosen
 
 from ..prompts import PROMPTS
@@ -69,6 +71,22 @@ def test_an_injected_mismatch_is_counted_and_logged_with_request_and_position(ti
     prompt_len = len(engine.tokenizer.encode(PROMPTS[2]))
     assert f"(position {prompt_len + 4} of prompt + completion)" in record.getMessage()
     assert counters["generation_tokens"] == 24 and counters["prompt_tokens"] == len(clean.prompt_tokens) + prompt_len
+
+
+@pytest.mark.parametrize("scored_raw", [False, True])
+def test_a_kept_ids_request_is_checked_against_its_renormalized_log_probs(tiny_llama, monkeypatch, scored_raw):
+    """``return_top_p_token_ids`` with top-p reports log probs renormalized over the kept ids in the raw mode too: its
+    check scores them through the same filters and counts no mismatch; the control scores them raw (as a request
+    that did not ask) and counts one."""
+    if scored_raw:
+        monkeypatch.setattr(logprob_parity, "renormalized", lambda params: False)
+    engine = engine_for(tiny_llama, "bfloat16", batch_invariant=True)
+    params = msgspec.structs.replace(sampled(3), top_p=0.7, return_top_p_token_ids=True)
+    request = add(engine, "kept", PROMPTS[1], params)
+    run_out(engine, [])
+    assert len(request.generated_top_p_token_ids) == 12
+    counters = engine.stats.counters
+    assert (counters["logprob_parity_checked"], counters["logprob_parity_mismatch"]) == (1, int(scored_raw))
 
 
 def test_float32_without_the_batch_invariant_mode_differs_and_the_check_says_so(tiny_llama, caplog):

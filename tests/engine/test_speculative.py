@@ -96,6 +96,22 @@ def test_default_mode_tokens_equal_and_log_probs_within_rounding(pair):
     assert spec.stats.counters["spec_decode_num_accepted_tokens"] > accepted
 
 
+def test_kept_ids_of_verified_rows_are_the_plain_engines(invariant_pair):
+    """return_top_p_token_ids: a verify step's rows report each emitted token's kept ids as the plain engine's steps
+    do (the accepted drafts' and the bonus token's), with the log probs renormalized over them."""
+    plain, spec = invariant_pair
+    prompts = repetitive_prompts(12, 2)
+    params = [SamplingParams(temperature=0.8, top_p=0.6, seed=3, num_tokens_to_generate=32, ignore_eos=True,
+                             logit_bias={7: 5.0, 70: 5.0}, return_log_probs=True, return_top_p_token_ids=True)] * 2
+    accepted = spec.stats.counters["spec_decode_num_accepted_tokens"]
+    got = run(spec, prompts, params)
+    want = run(plain, prompts, params)
+    assert spec.stats.counters["spec_decode_num_accepted_tokens"] > accepted
+    assert outputs(got) == outputs(want)
+    assert [r.generated_top_p_token_ids for r in got] == [r.generated_top_p_token_ids for r in want]
+    assert all(len(r.generated_top_p_token_ids) == 32 for r in got)
+
+
 def test_seeded_sampling_with_penalties_and_n_samples_is_the_plain_engines(invariant_pair):
     """Verification draws each position from the engine's own seeded stream, so a seeded sampled request emits what
     it emits without speculation: rejection sampling for point-mass drafts, reproducible by construction."""

@@ -37,6 +37,20 @@ def test_a_step_of_long_scored_prompts_is_cut_into_messages_that_fit_the_frame()
         assert len(decode(frame, TO_COORDINATOR).body.outputs) == len(message)
 
 
+def test_a_step_of_large_kept_sets_is_cut_into_messages_that_fit_the_frame():
+    """return_top_p_token_ids: a request can keep most of a 150k vocabulary at each token; 40 such requests in one
+    step pass the frame, so they are cut as prompt scores are."""
+    kept = [list(range(100_000, 250_000))]
+    deltas = [RequestDelta(request_id=f"r{i}", new_tokens=[7], finished=False, top_p_token_ids=kept)
+              for i in range(40)]
+    with pytest.raises(ProtocolError, match="exceeds"):  # the control: the step as one message
+        encode(Header.ENGINE_STEP, EngineStepOut(engine_id="e", outputs=deltas))
+    messages = step_messages(deltas)
+    assert len(messages) > 1 and [d for m in messages for d in m] == deltas
+    for message in messages:
+        assert len(encode(Header.ENGINE_STEP, EngineStepOut(engine_id="e", outputs=message))) < MAX_MESSAGE_BYTES
+
+
 def test_a_step_without_prompt_scores_is_one_message_and_a_lone_large_delta_is_not_split():
     plain = [RequestDelta(request_id=f"r{i}", new_tokens=[i], finished=False) for i in range(64)]
     assert step_messages(plain) == [plain]

@@ -32,6 +32,15 @@ def test_a_delta_with_more_than_ids_keeps_it() -> None:
     assert acc.policy_epochs == [-1, 4, 4] and acc.kv_epochs == [-1, 2, 3] and acc.lora_epochs == [-1, -1, -1]
 
 
+def test_kept_ids_take_the_full_path_and_follow_the_kept_tokens() -> None:
+    """return_top_p_token_ids: each token's kept ids are kept with it, only for the ``kept`` first (a stop string)."""
+    acc = DeltaAccumulator()
+    acc.add(TokenDelta(new_tokens=[1], top_p_token_ids=[[1, 4]]), "r")
+    acc.tokens.append(2)
+    acc.add_rest(TokenDelta(new_tokens=[2, 3], top_p_token_ids=[[2], [3, 5]]), 1, "r")
+    assert acc.tokens == [1, 2] and acc.top_p_token_ids == [[1, 4], [2]]
+
+
 def test_ids_with_epochs_keep_what_the_full_path_keeps() -> None:
     """What engines send every step (ids and their epochs) takes the fast path and keeps the same as the full one:
     two or three lists, lists of the wrong length as unreported, and only the ``kept`` first (a stop string)."""

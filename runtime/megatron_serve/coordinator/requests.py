@@ -129,6 +129,7 @@ class RequestRecord:
         skip = max(have - out.resumed, 0)  # into the lists mirrored since the resubmission
         delta = TokenDelta(new_tokens=out.tokens[have:], new_log_probs=out.log_probs[skip:] or None,
                            top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
+                           top_p_token_ids=out.top_p_token_ids[skip:] or None,
                            cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores,
                            stop_token=out.stop_token)
         if have >= out.resumed:

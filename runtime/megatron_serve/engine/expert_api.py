@@ -99,6 +99,8 @@ class ExpertApi:
                     request.generated_log_probs.append(out.new_log_probs[0])
                 if out.top_ids is not None and out.top_log_probs is not None:
                     request.generated_top_n_logprobs.append(dict(zip(out.top_ids[0], out.top_log_probs[0])))
+                if out.top_p_token_ids is not None:
+                    request.generated_top_p_token_ids.append(out.top_p_token_ids[0])
             elif tokens:
                 _extend(request, out)
             if out.cached_tokens is not None:
@@ -139,6 +141,8 @@ def _extend(request: DynamicInferenceRequest, out: StepOutput[Public]) -> None:
     request.generated_log_probs += out.new_log_probs
     if out.top_ids is not None and out.top_log_probs is not None:
         request.generated_top_n_logprobs += map(dict, map(zip, out.top_ids, out.top_log_probs))
+    if out.top_p_token_ids is not None:
+        request.generated_top_p_token_ids += out.top_p_token_ids
 
 
 def _routing_of(request: DynamicInferenceRequest) -> RoutingRecord | None:

@@ -22,25 +22,27 @@ if TYPE_CHECKING:
     from .steps import StepOutput
 
 
-#: Prompt-score entries (a log prob, or an alternative's id and log prob) one ``ENGINE_STEP`` message carries at most
-#: beside its other deltas, about 3 MB: a request's prompt scores all go with its first token, and several
-#: requests that finish their prefill in one step could together pass the 16 MiB frame, which is then not sent
-#: at all (every delta of the step lost). One request's stay within the frame by the request budget
+#: Prompt-score entries (a log prob, or an alternative's id and log prob) and kept ids (``return_top_p_token_ids``:
+#: up to the vocabulary per token) one ``ENGINE_STEP`` message carries at most beside its other deltas, about 3 MB: a
+#: request's prompt scores all go with its first token, and several requests that finish their prefill in one step
+#: (or keep most of a large vocabulary) could together pass the 16 MiB frame, which is then not sent at all (every
+#: delta of the step lost). One request's prompt scores stay within the frame by the request budget
 #: (``--max-request-logprobs``).
 STEP_MESSAGE_SCORES = 1 << 18
 
 
 def _scores(delta: RequestDelta) -> int:
+    kept = sum(map(len, delta.top_p_token_ids)) if delta.top_p_token_ids is not None else 0
     scores = delta.prompt_scores
     if scores is None:
-        return 0
-    return len(scores.log_probs) + sum(map(len, scores.top_ids or ()))
+        return kept
+    return kept + len(scores.log_probs) + sum(map(len, scores.top_ids or ()))
 
 
 def step_messages(deltas: list[RequestDelta], limit: int = STEP_MESSAGE_SCORES) -> list[list[RequestDelta]]:
-    """A step's deltas as the ``ENGINE_STEP`` messages that carry them, in order: one, unless prompt scores pass
-    ``limit`` entries, then cut before the delta that would pass it."""
-    if all(delta.prompt_scores is None for delta in deltas):
+    """A step's deltas as the ``ENGINE_STEP`` messages that carry them, in order: one, unless prompt scores and kept
+    ids pass ``limit`` entries, then cut before the delta that would pass it."""
+    if all(delta.prompt_scores is None and delta.top_p_token_ids is None for delta in deltas):
         return [deltas]
     messages: list[list[RequestDelta]] = [[]]
     held = 0
@@ -62,6 +64,8 @@ def step_delta(out: "StepOutput") -> RequestDelta:
         delta.new_log_probs = out.new_log_probs
     if out.top_ids:
         delta.top_ids, delta.top_log_probs = out.top_ids, out.top_log_probs
+    if out.top_p_token_ids:
+        delta.top_p_token_ids = out.top_p_token_ids
     n = len(tokens)
     if n:
         policy, kv, lora = out.epochs

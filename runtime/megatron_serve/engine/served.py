@@ -85,6 +85,7 @@ class EngineStepResult(Protocol):
     finished: bool
     top_ids: list[list[int]] | None
     top_log_probs: list[list[float]] | None
+    top_p_token_ids: list[list[int]] | None
     new_routing: tuple[int, np.ndarray] | None
     epochs: tuple[int, int, int]
     cached_tokens: int | None

@@ -31,6 +31,7 @@ class Emitted:
     top_ids: list[list[int] | None] = field(default_factory=list)  # each token's top-n, as the wire carries them
     top_log_probs: list[list[float] | None] = field(default_factory=list)
     accepted: int = 0  # drafts accepted (the tokens less the bonus one)
+    kept_ids: list[list[int] | None] = field(default_factory=list)  # return_top_p_token_ids, per token (or none)
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class StepOutput(Generic[Record]):
     # top-n log probs of each new token, as the wire carries them: ``top_ids[i]`` and ``top_log_probs[i]``
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
+    top_p_token_ids: list[list[int]] | None = None  # return_top_p_token_ids: the ids kept at each new token
     new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
     # With the request's first tokens (or its end, when it ends before any): what its admission found
     cached_tokens: int | None = None
@@ -65,6 +67,8 @@ class StepOutput(Generic[Record]):
         if later.top_ids is not None and later.top_log_probs is not None:
             self.top_ids = (self.top_ids or []) + later.top_ids
             self.top_log_probs = (self.top_log_probs or []) + later.top_log_probs
+        if later.top_p_token_ids is not None:
+            self.top_p_token_ids = (self.top_p_token_ids or []) + later.top_p_token_ids
         self.finished = later.finished
         self.final = later.final
         self.stop_token = later.stop_token

@@ -19,8 +19,8 @@ from .sampling.structured_output import StructuredOutputs
 
 
 def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids: list[int] | None,
-                 top_log_probs: list[float] | None, epochs: tuple[int, int], structured: StructuredOutputs | None
-                 ) -> StepOutput:
+                 top_log_probs: list[float] | None, epochs: tuple[int, int], structured: StructuredOutputs | None,
+                 kept_ids: list[int] | None = None) -> StepOutput:
     """Append one sampled token (``epochs``: the weights' and its KV's), and say whether the request finished (a stop
     id, the grammar's end, the length limit; vLLM's ``check_stop`` order); the request's status and events are set
     here, its resources freed by the caller."""
@@ -38,6 +38,8 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
         out.new_log_probs.append(log_prob)
     if top_ids is not None and top_log_probs is not None:
         out.top_ids, out.top_log_probs = [top_ids], [top_log_probs]
+    if kept_ids is not None:
+        out.top_p_token_ids = [kept_ids]
     if token in sequence.stop_token_ids:  # the grammar allowed it only where it may end: no need to feed it
         finish = FinishReason.STOP
         out.stop_token = True
@@ -77,14 +79,16 @@ def append_tokens(sequence: Sequence, emitted: Emitted, epochs: tuple[int, int],
     accepted draft produced, as the plain engine records a position before the token it samples there."""
     if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
         return append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_ids[0],
-                            emitted.top_log_probs[0], epochs, structured)
+                            emitted.top_log_probs[0], epochs, structured,
+                            emitted.kept_ids[0] if emitted.kept_ids else None)
     merged: StepOutput | None = None
     first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
     for index, (token, log_prob, top_ids, top_log_probs) in enumerate(zip(emitted.tokens, emitted.log_probs,
                                                                           emitted.top_ids, emitted.top_log_probs)):
         if index and draft_routing is not None and sequence.routing is not None:
             sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
-        out = append_token(sequence, token, log_prob, top_ids, top_log_probs, epochs, structured)
+        kept_ids = emitted.kept_ids[index] if emitted.kept_ids else None
+        out = append_token(sequence, token, log_prob, top_ids, top_log_probs, epochs, structured, kept_ids)
         if merged is None:
             merged = out
         else:

@@ -193,8 +193,8 @@ class ModelWorker:
             return self.speculator.read(step.verification, step.sampling)
         assert step.sample is not None, "read() of a step that was never sampled"
         result = step.sample.read()
-        return [Emitted([t], [lp], [ids], [lps])
-                for t, lp, ids, lps in zip(result.token_ids, result.log_probs, result.top_ids, result.top_log_probs)]
+        return [Emitted([t], [lp], [ids], [lps], kept_ids=[kept]) for t, lp, ids, lps, kept in
+                zip(result.token_ids, result.log_probs, result.top_ids, result.top_log_probs, result.kept_ids)]
 
     def unbind(self, request_id: str) -> None:
         """Free a request's sampling-state slot (it was preempted: bound again, from its tokens, when it samples

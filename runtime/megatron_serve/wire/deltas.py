@@ -45,6 +45,7 @@ class TokenDelta(Body):
     new_log_probs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
+    top_p_token_ids: list[list[int]] | None = None  # return_top_p_token_ids: the ids kept at each new token
     epochs: list[list[int]] | None = None  # [policy epochs, KV epochs, LoRA adapter versions] of the new tokens
     routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last delta
     # With the request's first tokens (an engine that stops at the first token sends them with none):
@@ -129,7 +130,8 @@ def delta_past(delta: TokenDelta, start: int, have: int) -> TokenDelta | None:
     epochs = None if delta.epochs is None else [cut(e) for e in delta.epochs]
     return msgspec.structs.replace(delta, new_tokens=delta.new_tokens[drop:], epochs=epochs,
                                    new_log_probs=cut_some(delta.new_log_probs), top_ids=cut_some(delta.top_ids),
-                                   top_log_probs=cut_some(delta.top_log_probs))
+                                   top_log_probs=cut_some(delta.top_log_probs),
+                                   top_p_token_ids=cut_some(delta.top_p_token_ids))
 
 
 class StepTokensOut(Body):

@@ -182,6 +182,8 @@ class DynamicInferenceRequest:
     generated_text: str | None = None
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With return_top_p_token_ids: the ids the filters kept at each generated token (none without a filter)
+    generated_top_p_token_ids: list[list[int]] = field(default_factory=list)
     # With return_log_probs: what each generated token adds to generated_text (made with it, once, by the
     # client's output processor; they concatenate to it)
     generated_token_texts: list[str] = field(default_factory=list)

@@ -181,6 +181,9 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("return_routing_indices", bool, False, None, "return_routing_indices", True,
                   http_doc="mixture-of-experts models: add routing_indices (the experts every processed token of "
                            "prompt and answer was routed to) to each choice", extension=True),
+    # SGLang with slime's top-p patch (``custom_params.return_top_p_token_ids``): per generated token, the ids its
+    # filters kept, and the log probs renormalized over them (no HTTP field: SGLang's /generate sets it)
+    SamplingField("return_top_p_token_ids", bool, False),
     SamplingField("n", int, 1, Bounds(1), "n", vllm="n", sglang="n"),
     SamplingField("sample_index", int, 0, Bounds(0)),  # the choice: the server's, the Python API's
     SamplingField("truncate_prompt_tokens", int, None, Bounds(1), "truncate_prompt_tokens",
@@ -224,6 +227,10 @@ COPIED: tuple[SamplingField, ...] = tuple(field for field in FIELDS if field.cop
 SAMPLER_INPUTS: tuple[SamplingField, ...] = tuple(field for field in FIELDS if field.sampler is not None)
 FILTERS: tuple[SamplingField, ...] = tuple(field for field in FIELDS if field.stage == FILTER)
 PENALTIES: tuple[SamplingField, ...] = tuple(field for field in FIELDS if field.stage == PENALTY)
+#: The filters that keep a subset of the vocabulary (temperature only rescales it): a sampled request that sets one and
+#: asks ``return_top_p_token_ids`` gets the ids they kept and its log probs renormalized over them (slime's top-p patch
+#: of SGLang reports neither for a request without top-k, top-p or min-p).
+SUBSET_FILTERS: tuple[SamplingField, ...] = tuple(field for field in FILTERS if field.name != "temperature")
 #: What changes the logits before sampling from the request's own history or tables (penalties and controls).
 LOGITS_CONTROLS: tuple[SamplingField, ...] = tuple(field for field in FIELDS if field.stage in (PENALTY, CONTROL))
 #: generation_config.json key -> SamplingParams field, for the sampling keys vLLM reads.

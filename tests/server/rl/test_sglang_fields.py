@@ -55,9 +55,9 @@ async def test_a_text_request_with_generate_req_inputs_neutral_fields_is_served(
         empty = await http.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2,
                                                                                 "custom_params": {}}})
         assert empty.status_code == 200
-        top_p = {"max_new_tokens": 2, "top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}}  # slime's
-        refused = error_of(await http.post("/generate", json={**body, "sampling_params": top_p}))
-        assert refused["param"] == "sampling_params.custom_params.return_top_p_token_ids"
+        processor = {"max_new_tokens": 2, "custom_params": {"scale": 2.0}}  # a custom logit processor's
+        refused = error_of(await http.post("/generate", json={**body, "sampling_params": processor}))
+        assert refused["param"] == "sampling_params.custom_params.scale"
 
 
 async def test_v1_loads_counts_what_runs_until_an_abort_leaves_the_fleet_idle(tokenizer):

@@ -4,7 +4,9 @@ Answer shapes and refusals against ``FakeBackend``; token-exact behaviour agains
 slime's own payload (``slime/rollout/sglang_rollout.py``: ``input_ids``, ``sampling_params`` with
 ``max_new_tokens``, ``no_stop_trim``, ``spaces_between_special_tokens``, ``return_logprob``) gets the ids and log
 probs ``/inference/v1/generate`` gets, and a tiny mixture-of-experts model's ``routed_experts`` decode (as slime
-decodes them: base64 int32, ``(len(tokens) - 1, layers, top_k)``) to the rows of ``return_routing_indices``.
+decodes them: base64 int32, ``(len(tokens) - 1, layers, top_k)``) to the rows of ``return_routing_indices``; slime's
+``custom_params.return_top_p_token_ids`` (its top-p patch of SGLang) gets each token's kept ids, equal to
+transformers' own top-p warper on the logits transformers computes for the same ids.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import io
 import httpx
 import numpy as np
 import pytest
+import torch
+import transformers
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
 from megatron_serve.model.tiny import make_tiny_model
@@ -72,7 +77,9 @@ async def test_generate_refuses_what_it_cannot_honour_naming_the_field(tokenizer
             ({"input_ids": [600]}, "input_ids"),
             ({"input_ids": [5], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
             ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
-            ({"input_ids": [5], "sampling_params": {"custom_params": {"return_top_p_token_ids": True}}},
+            ({"input_ids": [5], "sampling_params": {"custom_params": {"my_processor_arg": 1}}},
+             "sampling_params.custom_params.my_processor_arg"),
+            ({"input_ids": [5], "sampling_params": {"custom_params": {"return_top_p_token_ids": "yes"}}},
              "sampling_params.custom_params.return_top_p_token_ids"),
             ({"input_ids": [5], "sampling_params": {"spaces_between_special_tokens": True}},
              "sampling_params.spaces_between_special_tokens"),
@@ -113,6 +120,51 @@ async def test_slimes_payload_gets_the_ids_and_log_probs_generate_gets(tiny_mode
         scored = (await http.post("/generate", json={**payload, "logprob_start_len": 0})).json()["meta_info"]
         assert [entry[1] for entry in scored["input_token_logprobs"]] == prompt
         assert scored["input_token_logprobs"][0][0] is None and len(scored["input_token_logprobs"]) == len(prompt)
+
+
+def _int32s(text: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(text), dtype="<i4").tolist()
+
+
+async def test_slimes_top_p_replay_gets_the_ids_transformers_top_p_keeps(tiny_model, tokenizer):
+    prompt = tokenizer.encode("Replay the nucleus", add_special_tokens=False)
+    asked = {"custom_params": {"return_top_p_token_ids": True}}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    async with surface(tiny_model, tokenizer) as (_, http):
+        async def generate(**params) -> dict:
+            answer = await http.post("/generate", json={"input_ids": prompt, "return_logprob": True,
+                                                        "sampling_params": slime_params(6, ignore_eos=True, **params)})
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        nucleus = await generate(temperature=0.8, top_p=0.7, sampling_seed=3, **asked)
+        greedy = await generate(**asked)
+        unfiltered = await generate(temperature=1.0, sampling_seed=3, **asked)
+        control = await generate(temperature=0.8, top_p=0.7, sampling_seed=3)
+    ids, meta = nucleus["output_ids"], nucleus["meta_info"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].float()
+    processed = TopPLogitsWarper(0.7)(None, TemperatureLogitsWarper(0.8)(None, logits))
+    expected: list[list[int]] = []
+    for row in processed:
+        values, order = row.sort(descending=True, stable=True)
+        expected.append(order[torch.isfinite(values)].tolist())
+    offsets = _int32s(meta["top_p_token_offsets"])
+    assert len(offsets) == len(ids) + 1 and offsets[0] == 0
+    flat = _int32s(meta["top_p_token_ids"])
+    assert [flat[a:b] for a, b in zip(offsets, offsets[1:])] == expected
+    assert all(1 < len(kept) < logits.shape[-1] for kept in expected)  # the filter kept some, not all
+    assert all(token in kept for token, kept in zip(ids, expected))
+    renormalized = torch.log_softmax(processed, -1)[torch.arange(len(ids)), ids].tolist()
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(renormalized, abs=1e-4)
+
+    assert _int32s(greedy["meta_info"]["top_p_token_ids"]) == greedy["output_ids"]  # greedy: its token alone
+    assert _int32s(greedy["meta_info"]["top_p_token_offsets"]) == list(range(7))
+    assert "top_p_token_ids" not in unfiltered["meta_info"]  # no filter: neither key, as SGLang's patch
+    assert "top_p_token_offsets" not in unfiltered["meta_info"]
+    assert control["output_ids"] == ids and "top_p_token_ids" not in control["meta_info"]  # the flag off: no keys
+    raw = torch.log_softmax(logits, -1)[torch.arange(len(ids)), ids].tolist()
+    assert [lp for lp, _, _ in control["meta_info"]["output_token_logprobs"]] == pytest.approx(raw, abs=1e-4)
 
 
 async def test_routed_experts_decode_to_the_engines_rows_in_both_anchors_shapes(tmp_path):

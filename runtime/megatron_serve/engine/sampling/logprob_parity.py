@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 from ...wire.engine_stats import EngineStats
 from ...wire.deltas import PromptScores
 from ...wire.request import EngineRequest, FinalRecord, RequestStatus
-from ...wire.sampling_fields import FILTERS, PRIORITY_MAX
+from ...wire.sampling_fields import FILTERS, PRIORITY_MAX, SUBSET_FILTERS
 from ...wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover - the checker itself handles no tensor
@@ -69,6 +69,13 @@ class Verdict(enum.Enum):
     MATCH = "match"
     MISMATCH = "mismatch"
     VOID = "void"
+
+
+def renormalized(params: SamplingParams) -> bool:
+    """Whether a request's log probs are reported processed whatever the engine's mode: it asked for its kept ids
+    (``return_top_p_token_ids``), samples, and sets a subset filter, so they are renormalized over the ids kept."""
+    return (params.return_top_p_token_ids and not params.is_greedy
+            and any(getattr(params, row.name) != row.default for row in SUBSET_FILTERS))
 
 
 def chosen(request_id: str, fraction: float) -> bool:
@@ -137,10 +144,18 @@ class ParityChecker:
     def score_view(self) -> "Callable[[EngineSequence, Tensor], Tensor] | None":
         """For the prompt scorer: what to score a request's rows of logits as (a check's processed as its
         original's were), or None where every row is scored as it is."""
-        return self._view if self.active and self.processed and self.process is not None else None
+        if not self.active or self.process is None or not (self.processed or self.pending):
+            return None
+        return self._view
 
     def _view(self, sequence: EngineSequence, logits: "Tensor") -> "Tensor":
-        return self.process(logits, sequence.sampling_params) if self.owns(sequence.request_id) else logits
+        # a check scores raw log probs greedily (temperature 0), processed ones with its original's filters
+        params = sequence.sampling_params
+        return self.process(logits, params) if self.owns(sequence.request_id) and not params.is_greedy else logits
+
+    def _processes(self, params: SamplingParams) -> bool:
+        """Whether a request with ``params`` reports processed log probs (the engine's mode, or its kept ids)."""
+        return self.processed or renormalized(params)
 
     def comparable(self, params: SamplingParams) -> bool:
         """Whether scoring a prompt can give what was reported for a request with ``params``: log probs (the
@@ -148,7 +163,7 @@ class ParityChecker:
         history (penalties, logit bias, min_tokens, a grammar), which a prompt's rows do not carry."""
         if not self.logprobs_mode.endswith("logprobs"):
             return False
-        return not self.processed or not (params.has_logits_controls or params.structured_outputs is not None)
+        return not self._processes(params) or not (params.has_logits_controls or params.structured_outputs is not None)
 
     @property
     def active(self) -> bool:
@@ -185,8 +200,8 @@ class ParityChecker:
                                                 len(reported.prompt) - 1)
         original = reported.params
         # processed: the original's processing, read back by score_view (its one drawn token from its own stream)
-        processing = ({**{row.name: getattr(original, row.name) for row in FILTERS}, "seed": 0} if self.processed
-                      else {"temperature": 0.0})
+        processing = ({**{row.name: getattr(original, row.name) for row in FILTERS}, "seed": 0}
+                      if self._processes(original) else {"temperature": 0.0})
         params = SamplingParams(num_tokens_to_generate=1, ignore_eos=True, return_prompt_log_probs=True,
                                 priority=PRIORITY_MAX, cache_salt=original.cache_salt,  # the tenant's cache
                                 **processing)

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...wire.sampling_fields import SUBSET_FILTERS
 from ...wire.sampling_params import LOGPROBS_MODES, SamplingParams
 from .filters import FilterRows, filtered_logits, lone_rows
 from .sampling_state import MASK32, SamplingState, StepRows, fmix32
+
+_SUBSET_FILTERS = frozenset(row.sampler for row in SUBSET_FILTERS)  # a row that sets none reports no kept ids
 
 
 @dataclass
@@ -25,6 +28,9 @@ class SampleResult:
     log_probs: list[float | None]
     top_ids: list[list[int] | None]
     top_log_probs: list[list[float] | None]
+    # return_top_p_token_ids: the ids the row's filters kept, most likely first (a greedy row: its token alone; a row
+    # without a filter, or that did not ask: None)
+    kept_ids: list[list[int] | None]
 
 
 @dataclass
@@ -92,6 +98,26 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int, log_so
 
 
 @dataclass
+class DeviceKeptIds:
+    """The kept ids of a step's ``filtered`` rows on their way to the host: each row's vocabulary in its processed
+    logits' order (best first, ties by id) and how many of them are finite; ``greedy`` rows keep their token."""
+
+    readback: Readback
+    filtered: list[int]
+    greedy: list[int]
+
+    def read(self, token_ids: list[int]) -> list[list[int] | None]:
+        kept: list[list[int] | None] = [None] * len(token_ids)
+        for row in self.greedy:
+            kept[row] = [token_ids[row]]
+        if self.filtered:
+            order, counts = self.readback.wait()
+            for row, ids, count in zip(self.filtered, order, counts):
+                kept[row] = ids[:count]
+        return kept
+
+
+@dataclass
 class DeviceSample:
     """A step's sampled tokens on the device (the next step reads them there) and their way to the host."""
 
@@ -100,6 +126,7 @@ class DeviceSample:
     scores: DeviceScores | None  # log probs of every row (when some row asked), read for ``wanted`` rows
     wanted: list[int]
     top_n: list[int]  # per row, how many top log probs it asked for
+    kept: DeviceKeptIds | None = None  # when some row asked for its kept ids
 
     def read(self) -> SampleResult:
         token_ids = self.readback.wait()[0]
@@ -113,7 +140,8 @@ class DeviceSample:
                 n = self.top_n[row]
                 if n:
                     top_ids[row], top_log_probs[row] = scores.top_ids[row][:n], scores.top_log_probs[row][:n]
-        return SampleResult(token_ids, log_probs, top_ids, top_log_probs)
+        kept = self.kept.read(token_ids) if self.kept is not None else [None] * len(token_ids)
+        return SampleResult(token_ids, log_probs, top_ids, top_log_probs, kept)
 
 
 #: int64 elements of the noise's hash computed at a time on a CPU (whole rows, at least one): the chunk's scratch
@@ -205,11 +233,31 @@ class Sampler:
                 tokens = gumbel_argmax(state, rows, processed, usable)
         if count:
             self.state.add_counts(rows, tokens)
+        kept = self._kept_ids(processed, rows) if rows.kept else None
         scores = None
         if rows.wanted:
-            scores = score_tokens(self._reported(logits if model_logits is None else model_logits, processed),
-                                  tokens, rows.top_n, log_softmax=self.logprobs_mode.endswith("logprobs"))
-        return DeviceSample(tokens, Readback([tokens]), scores, rows.wanted, [i.top_n for i in rows.infos])
+            reported = self._reported(logits if model_logits is None else model_logits, processed)
+            if kept is not None and kept.filtered and reported is not processed:
+                # SGLang's top-p patch reports a filtered row's log probs renormalized over the ids it kept
+                renormalized = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
+                renormalized[kept.filtered] = True
+                reported = torch.where(renormalized[:, None], processed, reported)
+            scores = score_tokens(reported, tokens, rows.top_n, log_softmax=self.logprobs_mode.endswith("logprobs"))
+        return DeviceSample(tokens, Readback([tokens]), scores, rows.wanted, [i.top_n for i in rows.infos], kept)
+
+    @staticmethod
+    def _kept_ids(processed: torch.Tensor, rows: StepRows) -> DeviceKeptIds:
+        """The rows that asked for their kept ids: a greedy row keeps its token, a row with a subset filter the
+        finite entries of its processed logits (what its draw chose among), sorted on the device; the host reads
+        them with the tokens."""
+        infos = rows.infos
+        greedy = [row for row in rows.kept if infos[row].greedy]
+        filtered = [row for row in rows.kept
+                    if not infos[row].greedy and not infos[row].inputs.isdisjoint(_SUBSET_FILTERS)]
+        if not filtered:
+            return DeviceKeptIds(Readback([]), [], greedy)
+        values, order = processed[filtered].sort(dim=-1, descending=True, stable=True)
+        return DeviceKeptIds(Readback([order.to(torch.int32), torch.isfinite(values).sum(-1)]), filtered, greedy)
 
     @staticmethod
     def processed_alone(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

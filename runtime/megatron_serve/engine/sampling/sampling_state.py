@@ -72,6 +72,7 @@ class SlotInfo:
     top_n: int  # top log probs asked for
     log_probs: bool  # log probs asked for (or top_n)
     inputs: frozenset[str]  # the sampler inputs off their neutral value (filters: only when it samples)
+    kept_ids: bool = False  # return_top_p_token_ids: the ids its filters keep at each step
 
 
 _NEUTRAL = SlotInfo(True, 0, 0, 0, False, frozenset())
@@ -96,6 +97,7 @@ class StepRows:
         self.any_controls = any(i.control for i in infos)
         self.any_penalties = not self.inputs.isdisjoint(_PENALTY_INPUTS)
         self.wanted = [row for row, i in enumerate(infos) if i.log_probs]
+        self.kept = [row for row, i in enumerate(infos) if i.kept_ids]  # rows that want their kept ids
         self.top_n = max((i.top_n for i in infos), default=0)
 
     def uses(self, sampler_input: str) -> bool:
@@ -158,7 +160,7 @@ class SamplingState:
         inputs = frozenset(row.sampler for row in SAMPLER_INPUTS
                            if values[row.sampler] != row.default and not (greedy and row.stage == FILTER))
         info = SlotInfo(greedy, params.top_k, control, params.top_n_logprobs,
-                        params.return_log_probs or bool(params.top_n_logprobs), inputs)
+                        params.return_log_probs or bool(params.top_n_logprobs), inputs, params.return_top_p_token_ids)
         values["top_k"] = min(params.top_k, self.vocab_size)
         floats = [values[name] for name in _FLOATS]
         ints = [values[name] for name in _INTS[:-2]] + [seed_key(seed, params.sample_index), int(greedy)]

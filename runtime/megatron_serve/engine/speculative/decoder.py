@@ -401,6 +401,7 @@ class Speculator:
                 out.log_probs.append(result.log_probs[row + depth])
                 out.top_ids.append(result.top_ids[row + depth])
                 out.top_log_probs.append(result.top_log_probs[row + depth])
+                out.kept_ids.append(result.kept_ids[row + depth])
                 if depth == drafts or token != drafted[depth] or token in sequence.stop_token_ids:
                     break
                 out.accepted += 1

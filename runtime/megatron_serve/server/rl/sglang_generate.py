@@ -5,19 +5,24 @@ SGLang's names) and the answer SGLang's: ``{text, output_ids, meta_info}`` per s
 ``n`` > 1), ``meta_info`` holding ``id``, ``finish_reason`` as ``{type, matched | length | message}``, the token
 counts, ``weight_version`` (the weights of the last token, as SGLang reports the version that finished the request)
 and ``weight_versions`` (SGLang's per-token spans), ``output_token_logprobs`` as ``[logprob, token_id, text|null]``
-with ``return_logprob``, ``routed_experts`` (base64 int32) with ``return_routed_experts``. A stream sends SGLang's
-cumulative events: each holds the whole answer so far. The request runs through ``/v1/completions``' handler
+with ``return_logprob``, ``routed_experts`` (base64 int32) with ``return_routed_experts``, and, with
+``sampling_params.custom_params.return_top_p_token_ids`` (slime's top-p patch of SGLang), ``top_p_token_ids`` and
+``top_p_token_offsets`` once finished: the ids each token's filters kept, flat, and where each token's begin (one more
+offset than tokens), both base64 int32; a request without top-k, top-p, min-p or typical-p gets neither. A stream
+sends SGLang's cumulative events: each holds the whole answer so far. The request runs through ``/v1/completions``' handler
 (:func:`.tokens.handler_for`, in :mod:`.token_routes`); this module reads SGLang's body and shapes SGLang's answers.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
@@ -47,8 +52,9 @@ OWN: dict[str, tuple[Any, Any]] = {
     **{name: (str | None, None) for name in CONSTRAINTS},
     "spaces_between_special_tokens": (bool | None, Field(None, description="only false: special tokens' text is "
                                                                            "joined without spaces here")),
-    "custom_params": (dict[str, Any] | None, Field(None, description="SGLang's parameters of a custom logit "
-                                                                     "processor: none here; empty or null only")),
+    "custom_params": (dict[str, Any] | None, Field(None, description="only return_top_p_token_ids (slime's top-p "
+                                                                     "patch of SGLang): true adds top_p_token_ids and "
+                                                                     "top_p_token_offsets to meta_info")),
 }
 
 SglangSamplingParams = sampling_body(
@@ -170,6 +176,9 @@ class MetaInfo(BaseModel):
     input_token_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[list[list[Any]] | None] | None = None
     routed_experts: str | None = None
+    top_p_token_ids: str | None = Field(None, description="base64 int32: the ids each token's filters kept, flat")
+    top_p_token_offsets: str | None = Field(None, description="base64 int32: where each token's kept ids begin, "
+                                                              "and their end")
 
 
 class SglangGenerateResponse(BaseModel):
@@ -218,12 +227,7 @@ def fields(ctx: ServerContext, body: SglangGenerateRequest) -> dict[str, Any]:
         raise bad_request("sampling_params.spaces_between_special_tokens: special tokens' text is joined without "
                           "spaces here; send false", param="sampling_params.spaces_between_special_tokens",
                           code="unsupported_parameter")
-    if params.custom_params:
-        name = next(iter(params.custom_params))
-        what = ("the ids the top-p filter kept at each step (slime's --rollout-top-p replay): this engine does not "
-                "report them" if name == "return_top_p_token_ids" else "a custom logit processor's parameter")
-        raise bad_request(f"sampling_params.custom_params.{name}: {what}; send top_p 1.0, or no custom_params",
-                          param=f"sampling_params.custom_params.{name}", code="unsupported_parameter")
+    kept_ids_asked(body)  # refuses other custom parameters, naming them
     given = {_RENAMES.get(name, name): value for name, value in
              params.model_dump(exclude_none=True, exclude={"spaces_between_special_tokens", "custom_params"}).items()}
     given.setdefault("max_tokens", _default_max_new_tokens(ctx, body))
@@ -233,6 +237,36 @@ def fields(ctx: ServerContext, body: SglangGenerateRequest) -> dict[str, Any]:
             "logprobs": top if body.return_logprob else None, "prompt_logprobs": top if scored else None,
             "priority": body.priority, "return_routing_indices": body.return_routed_experts,
             "request_id": body.rid if isinstance(body.rid, str) else None}  # /abort_request {rid} finds it by it
+
+
+def kept_ids_asked(body: SglangGenerateRequest) -> bool:
+    """Whether ``body`` asks for each token's kept ids (``custom_params.return_top_p_token_ids``, a bool); any other
+    custom parameter (a custom logit processor's) is refused, naming it."""
+    custom = body.sampling_params.custom_params or {}
+    for name, value in custom.items():
+        param = f"sampling_params.custom_params.{name}"
+        if name != "return_top_p_token_ids":
+            raise bad_request(f"{param}: a custom logit processor's parameter; only return_top_p_token_ids is served",
+                              param=param, code="unsupported_parameter")
+        if not isinstance(value, bool):
+            raise bad_request(f"{param}: must be true or false, got {json.dumps(value)}", param=param)
+    return bool(custom.get("return_top_p_token_ids", False))
+
+
+def _int32_base64(values: list[int]) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode("ascii")
+
+
+def top_p_fields(result: DynamicInferenceRequest) -> dict[str, str]:
+    """``top_p_token_ids`` and ``top_p_token_offsets`` of a finished request (none when no token kept a set: no
+    filter), as slime's patch of SGLang encodes them."""
+    kept = result.generated_top_p_token_ids
+    if not kept:
+        return {}
+    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for ids in kept], out=offsets[1:])
+    return {"top_p_token_ids": _int32_base64([token for ids in kept for token in ids]),
+            "top_p_token_offsets": _int32_base64(offsets.tolist())}
 
 
 def _rids(body: SglangGenerateRequest, handler: CompletionHandler) -> list[str]:
@@ -303,6 +337,7 @@ class _Shape:
             meta["weight_versions"] = version_spans(epochs)
             if self.body.return_routed_experts:
                 meta["routed_experts"] = routed_experts_int32(result)
+            meta.update(top_p_fields(result))
         if self.body.return_logprob:
             meta["output_token_logprobs"] = [self._entry(t, lp) for t, lp in zip(so_far.tokens, so_far.log_probs)]
             if self.body.top_logprobs_num:
@@ -382,6 +417,9 @@ def read(raw: bytes) -> SglangGenerateRequest:
 async def answer(ctx: ServerContext, body: SglangGenerateRequest, handler: CompletionHandler) -> Any:
     """Submit ``handler``'s jobs; SGLang's answer, whole or streamed."""
     shape = _Shape(ctx, body, handler)
+    if kept_ids_asked(body):
+        for job in handler.jobs:
+            job.params = msgspec.structs.replace(job.params, return_top_p_token_ids=True)
     ctx.request_log.received(handler)
     if body.stream:
         return await stream_answer(ctx.submit(handler.jobs, handler.id), _CumulativeEvents(shape), handler.id)
