@@ -239,7 +239,7 @@ class Submission:
         """Abort every engine request that has not finished (idempotent)."""
         self._forget_stop()
         self._forget_stop = _nothing  # it holds this submission (through its callback): no reference cycle left
-        self._submit = None  # nothing more is submitted
+        self._submit = self._skip = None  # nothing more is submitted; each held this submission: no cycle left
         if self.ticket is not None:
             self.ticket.close()
         if not self.unfinished:
