@@ -114,13 +114,14 @@ async def test_sigstop_of_the_coordinator_past_its_liveness_deadline(stack, quie
 
     try:
         outcomes = await streams_hurt_midway(stack, hurt)
+        assert_all_equal_to_quiet(outcomes, quiet)
+        # The streams' tokens need not wait for the deadline (a loaded host may end them first): the run's word may
+        # follow, and the coordinator stays stopped until it comes (woken before, it is not hung any more).
+        hung = await until(lambda: [line for line in stack.output().splitlines() if "coordinator is hung" in line], 60,
+                           "the run to say the coordinator is hung")
     finally:
         if alive(victim):
             os.kill(victim, signal.SIGCONT)
-    assert_all_equal_to_quiet(outcomes, quiet)
-    # the streams' tokens need not wait for the deadline (a loaded host may end them first): the run's word may follow
-    hung = await until(lambda: [line for line in stack.output().splitlines() if "coordinator is hung" in line], 60,
-                       "the run to say the coordinator is hung")
     assert "liveness deadline 10s" in hung[0], stack.output()[-3000:]
     await until(lambda: stack.children()["coordinator"] and stack.one("coordinator") != victim, 60,
                 "a new coordinator")
