@@ -11,8 +11,6 @@ the group).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,8 @@ import pytest
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
-from .weight_fleet import ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet  # noqa: F401 - fixtures
+from .weight_fleet import (PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
+                          run_framework, with_key)
 
 ROOT = Path(__file__).parents[3]
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
@@ -33,12 +32,9 @@ def run_areal(fleet, model_dir: str, new_model_dir: str, prompts: list[list[int]
     if not VERL_PYTHON.exists() or not (AREAL / "areal").is_dir():
         pytest.fail(f"AReaL's environment is missing ({VERL_PYTHON}, {AREAL}/areal): run `make setup` (after "
                     "removing .venv-verl/.installed where that venv predates it)")
-    addr = fleet.url.removeprefix("http://").replace("127.0.0.1", f"areal:{ADMIN_KEY}@127.0.0.1", 1)
+    addr = with_key(fleet.url, "areal").removeprefix("http://")
     argv = [addr, model_dir, new_model_dir, json.dumps(prompts), str(free_port())]
-    ended = subprocess.run([str(VERL_PYTHON), str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
-                           env={**os.environ, "PYTHONPATH": str(AREAL)})
-    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
-    return json.loads(ended.stdout.strip().splitlines()[-1])
+    return run_framework(VERL_PYTHON, RUNNER, argv, [AREAL])
 
 
 def texts(fleet, outputs: list[dict]) -> list[str]:

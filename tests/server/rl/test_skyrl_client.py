@@ -10,8 +10,6 @@ package ``__init__`` that needs Python 3.12) the runner's docstring says exactly
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,8 @@ import pytest
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
-from .weight_fleet import ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet  # noqa: F401 - fixtures
+from .weight_fleet import (ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
+                          run_framework, with_key)
 
 ANCHORS = Path(__file__).parents[3] / ".anchors"
 RUNNER = Path(__file__).with_name("skyrl_client.py")
@@ -31,13 +30,8 @@ def run_skyrl(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
     if not (ANCHORS / "skyrl").is_dir():
         pytest.fail(f"skyrl 0.4.0 is not installed in {ANCHORS}: run `make setup` (after removing "
                     ".venv/.installed-test where the venv predates it)")
-    admin_url = fleet.url.replace("://", f"://skyrl:{ADMIN_KEY}@", 1)  # the key as HTTP Basic's password
-    argv = [fleet.url, admin_url, fleet.model, model_dir, json.dumps(prompts), str(free_port())]
-    path = os.pathsep.join(filter(None, [str(ANCHORS), os.environ.get("PYTHONPATH")]))
-    ended = subprocess.run([sys.executable, str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
-                           env={**os.environ, "PYTHONPATH": path})
-    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
-    return json.loads(ended.stdout.strip().splitlines()[-1])
+    argv = [fleet.url, with_key(fleet.url, "skyrl"), fleet.model, model_dir, json.dumps(prompts), str(free_port())]
+    return run_framework(sys.executable, RUNNER, argv, [ANCHORS])
 
 
 def test_skyrls_own_clients_generate_then_push_a_checkpoint_and_generate_its_completions(fleet, checkpoints):

@@ -10,8 +10,6 @@ says what is not TRL's (vLLM's NCCL group, which needs vLLM installed, replaced 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,8 @@ from safetensors.torch import load_file
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
-from .weight_fleet import ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet  # noqa: F401 - fixtures
+from .weight_fleet import (PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
+                          run_framework, with_key)
 
 TRL110 = Path(__file__).parents[3] / ".anchors-trl110"
 RUNNER = Path(__file__).with_name("trl110_client.py")
@@ -32,12 +31,8 @@ def run_trl110(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
     if not (TRL110 / "trl").is_dir():
         pytest.fail(f"trl 1.10.0 is not installed in {TRL110}: run `make setup` (after removing "
                     ".venv/.installed-test where the venv predates it)")
-    base_url = fleet.url.replace("://", f"://trl:{ADMIN_KEY}@", 1)  # the key as HTTP Basic's password
-    argv = [base_url, model_dir, json.dumps(prompts), str(free_port())]
-    ended = subprocess.run([sys.executable, str(RUNNER), *argv], capture_output=True, text=True, timeout=540,
-                           env={**os.environ, "PYTHONPATH": str(TRL110)})
-    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
-    return json.loads(ended.stdout.strip().splitlines()[-1])
+    argv = [with_key(fleet.url, "trl"), model_dir, json.dumps(prompts), str(free_port())]
+    return run_framework(sys.executable, RUNNER, argv, [TRL110])
 
 
 def texts(fleet, completion_ids: list[list[int]]) -> list[str]:

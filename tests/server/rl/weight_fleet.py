@@ -158,3 +158,19 @@ def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: s
     lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
     assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-3000:]
     return lines
+
+
+def with_key(url: str, user: str) -> str:
+    """``url`` with the admin key as HTTP Basic's password: the frameworks' aiohttp clients send no header of their
+    own, but aiohttp and requests send a URL's credentials as Basic."""
+    return url.replace("://", f"://{user}:{ADMIN_KEY}@", 1)
+
+
+def run_framework(python: Path | str, runner: Path, argv: list[str], path: list[Path]) -> dict:
+    """A framework's own client code, run by ``runner`` under ``python`` with ``path`` first on ``PYTHONPATH`` (where
+    that framework is installed beside the venv), and the JSON of the last line it printed."""
+    search = os.pathsep.join(filter(None, [*map(str, path), os.environ.get("PYTHONPATH")]))
+    ended = subprocess.run([str(python), str(runner), *argv], capture_output=True, text=True, timeout=540,
+                           env={**os.environ, "PYTHONPATH": search})
+    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
+    return json.loads(ended.stdout.strip().splitlines()[-1])
