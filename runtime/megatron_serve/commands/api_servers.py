@@ -49,13 +49,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 
 
-def add_option(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                       help="HTTP server processes sharing the port, each with its own coordinator client, as in "
-                            "vLLM: for more streamed tokens per second than one process can write; /metrics stays "
-                            "fleet-wide and --max-concurrent-requests is divided among them")
-
-
 def check_option(args: argparse.Namespace) -> None:
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")

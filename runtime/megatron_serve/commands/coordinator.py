@@ -5,50 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..heap import pause_collection_until_started
-from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from .inputs import parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import (add_insecure_option, add_log_option, add_routing_options, add_token_option, read_token,
-                      setup_logging)
+from ..coordinator.routing import KNOWN_POLICIES
+from .flags import add_flags
+from .options import add_token_option, read_token, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser, what="the model: a directory or a Hub id (nothing is loaded: the coordinator names "
                                    "its tokenizer directory to clients, which tokenize and make the text)")
-    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (0.0.0.0 = all)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
-    add_routing_options(parser)
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
-                        help="remove an engine silent for this long and re-queue its requests")
-    parser.add_argument("--verb-timeout", type=float, default=60.0, metavar="S",
-                        help="remove an engine that does not acknowledge a lifecycle verb step for this long "
-                             "(its step loop hangs; heartbeats alone do not count) and re-queue its requests, "
-                             "so the verb completes with the other engines")
-    parser.add_argument("--weights-timeout", type=float, default=900.0, metavar="S",
-                        help="the same deadline for steps that move weights (SUSPEND, RESUME, REFIT's load), "
-                             "which take as long as reading the checkpoint")
-    parser.add_argument("--stall-timeout", type=float, default=120.0, metavar="S",
-                        help="while the fleet runs, remove an engine with requests whose step loop made no "
-                             "progress for this long (it hangs; heartbeats alone do not count) and re-queue its "
-                             "requests; generous, since one step may be a long prefill")
-    parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
-                        help="forget requests of a client disconnected for this long")
-    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N",
-                        help="drop frames larger than this")
-    parser.add_argument("--max-request-image-bytes", type=int, default=12 * 1024 * 1024, metavar="N",
-                        help="image file bytes one request may carry (vision-language models); "
-                             "larger requests are refused with an error naming the limit")
-    parser.add_argument("--max-request-logprobs", type=int, default=DEFAULT_MAX_REQUEST_LOGPROBS, metavar="N",
-                        help="most log-prob entries one engine request may ask for (prompt positions x "
-                             "(prompt_logprobs + 1) + tokens to generate x (logprobs + 1)); larger requests are "
-                             "refused with an error naming the budget and the request's figure")
-    parser.add_argument("--address-file", metavar="PATH",
-                        help="write the bound address here once listening (default: nowhere)")
+    add_flags(parser, "coordinator", KNOWN_POLICIES=KNOWN_POLICIES)
     add_token_option(parser, default="none: refused unless --insecure")
-    add_insecure_option(parser)
-    add_log_option(parser)
+    add_flags(parser, "insecure", "log")
 
 
 def run(args: argparse.Namespace) -> int:

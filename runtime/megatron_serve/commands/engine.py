@@ -18,11 +18,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ..fleet.argv import kv_transfer_config  # noqa: E402
 from ..heap import pause_collection_until_started  # noqa: E402
-from .aliases import add_option  # noqa: E402
 from .engine_options import add_engine_options, capacity_line, inference_config_from_args  # noqa: E402
+from .flags import add_flags  # noqa: E402
 from .inputs import check_model_dir, coordinator_address, parse_port  # noqa: E402
 from .model_options import add_model_options, resolve_model_args  # noqa: E402
-from .options import add_coordinator_option, add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
+from .options import add_coordinator_option, add_token_option, read_token, setup_logging  # noqa: E402
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
@@ -33,38 +33,10 @@ logger = logging.getLogger("megatron_serve.engine_process")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     add_coordinator_option(parser)
-    parser.add_argument("--group", type=int, default=None, metavar="G",
-                        help="engine group id (default: the coordinator assigns the next free one)")
-    add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N",
-               help="ranks (GPUs) of each pipeline stage of this engine group (the group has --tensor-parallel x "
-                    "--pipeline-parallel-size); the local ones are started by this command")
-    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                        help="with --enable-expert-parallel: data-parallel attention ranks of this group, each an "
-                             "engine with its own requests, sharing the MoE layers' experts (the operator renders it "
-                             "from spec.engine.parallelism.dataParallelAttention); they meet at MASTER_ADDR:MASTER_PORT")
-    parser.add_argument("--data-parallel-rank", "--data-parallel-start-rank", type=int, default=None, metavar="D",
-                        help="with --data-parallel-size: which data-parallel rank this engine is (default: RANK / "
-                             "--tensor-parallel, as the operator's pods set RANK; vLLM's --data-parallel-start-rank, "
-                             "this engine being its command's one rank)")
-    parser.add_argument("--data-parallel-size-local", type=int, default=1, metavar="1",
-                        help="vLLM's data-parallel ranks of this command: 1, each rank is an engine command of its own")
-    parser.add_argument("--data-parallel-address", default=None, metavar="HOST",
-                        help="vLLM's: where the data-parallel ranks meet, data-parallel rank 0's host (MASTER_ADDR)")
-    parser.add_argument("--data-parallel-rpc-port", default=None, metavar="PORT",
-                        help="vLLM's: the port there (MASTER_PORT)")
-    add_option(parser, "--drain-timeout", type=float, default=30.0, metavar="S",
-               help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back (vLLM's "
-                    "--shutdown-timeout, whose default, 0, aborts them at once)")
-    parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
-                        help="reconnect when the coordinator has been silent this long")
-    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                        help='vLLM\'s prefill/decode disaggregation settings, e.g. {"kv_connector": '
-                             '"CoordinatorConnector", "kv_role": "kv_producer"}: kv_producer (prefill: computes the '
-                             'prompt and first token, then sends the KV blocks on), kv_consumer (decode: continues from '
-                             'them) or kv_both (the default: both, colocated)')
+    add_flags(parser, "engine_command")
     add_engine_options(parser)
     add_token_option(parser)
-    add_log_option(parser)
+    add_flags(parser, "log")
 
 
 def layout_config(args: argparse.Namespace) -> "InferenceConfig":

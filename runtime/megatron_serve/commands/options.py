@@ -1,8 +1,7 @@
 """Options shared by the fleet commands (``coordinator``, ``engine``, ``control``, ``server``, ``run``).
 
-* the fleet secret: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (``docs/security.md``), and
-  ``--insecure`` for a fleet without one (benchmarks);
-* the coordinator's routing (``--routing``, ``--session-affinity-ttl``), which ``run`` passes to the one it starts;
+* the fleet secret: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (``docs/security.md``; ``--insecure``, a fleet
+  without one, and the other options: :mod:`.flags`);
 * one logging format for every long-running process;
 * one exit code for a serving command stopped by a signal (:func:`stopped_exit_code`).
 """
@@ -15,32 +14,13 @@ import os
 import signal
 import sys
 
-from ..coordinator.routing import KNOWN_POLICIES
 from ..wire.security import TOKEN_ENV
+from .flags import add_flags
 
 
 def add_token_option(parser: argparse.ArgumentParser, default: str = "none") -> None:
-    parser.add_argument("--token-file", metavar="PATH",
-                        help=f"file holding the fleet secret, at least 32 random characters: it encrypts the "
-                             f"fleet's connections and proves who may join (default: ${TOKEN_ENV}, else {default})")
-
-
-def add_routing_options(parser: argparse.ArgumentParser) -> None:
-    """The coordinator's choice of engine group, declared once for ``coordinator`` and ``run`` (whose coordinator
-    takes them as given)."""
-    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
-                        help="which engine group gets a request")
-    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
-                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
-                             "without a request of it; until then its requests go back to that engine while it is "
-                             "under its load bound (docs/kv-routing.md)")
-
-
-def add_insecure_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--insecure", action="store_true",
-                        help="serve without a fleet secret: no authentication and no encryption between the "
-                             "processes, so anyone who reaches the coordinator can join, read prompts and steer the "
-                             "fleet (benchmarks only; said in the log)")
+    """``--token-file``; ``default``: what a command without one uses (said in its help)."""
+    add_flags(parser, "token", TOKEN_ENV=TOKEN_ENV, token_default=default)
 
 
 def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -> str | None:
@@ -85,11 +65,6 @@ def add_coordinator_option(parser: argparse.ArgumentParser, *, required: bool = 
         parser.add_argument("--coordinator", metavar="ADDRESS", default=None,
                             help=f"e.g. tcp://10.0.0.5:5555 or HOST:PORT (default: ${COORDINATOR_ENV}, else the "
                                  "coordinator of the `megatron-serve run` on this machine)")
-
-
-def add_log_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log messages from this level up go to stderr")
 
 
 def setup_logging(level: str = "INFO") -> None:

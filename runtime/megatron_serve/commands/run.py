@@ -32,19 +32,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..coordinator.routing import KNOWN_POLICIES
 from ..fleet.argv import disaggregated_roles
 from ..heap import pause_collection_until_started
 from ..http_options import HTTPOptions
-from ..wire.protocol import DEFAULT_PORT
 from . import api_servers, local_runs
-from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
+from .flags import add_flags
 from .inputs import check_model_dir, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
 from .stack_ports import StackPorts, check_distinct, reserve_ports
-from .options import (add_insecure_option, add_log_option, add_routing_options, add_token_option, read_token,
-                      setup_logging, stopped_exit_code)
+from .options import add_token_option, read_token, setup_logging, stopped_exit_code
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
                      status_options, tenancy_options)
@@ -63,32 +62,11 @@ SIZE_POLL_S = 0.5
 def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
     """``run``'s options; ``positional_model``: the model is the first argument (``serve MODEL``, as in vLLM)."""
     add_model_options(parser, positional=positional_model)
-    add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data-parallel replicas)")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
-                        help="vLLM's data parallelism: N engine groups (as --engines N); with --enable-expert-parallel "
-                             "one group of N data-parallel attention ranks, each an engine with its own requests, "
-                             "sharing the MoE layers' experts over all N x --tensor-parallel ranks (--engines M: M "
-                             "such groups)")
-    add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
-    parser.add_argument("--prefill-engines", type=int, default=0, metavar="N",
-                        help="prefill/decode disaggregation: N engines compute prompts and first tokens and send the "
-                             "KV blocks on to the --decode-engines, through the coordinator (instead of --engines)")
-    parser.add_argument("--decode-engines", type=int, default=0, metavar="M",
-                        help="prefill/decode disaggregation: M engines continue from the prefill engines' KV blocks")
-    parser.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
-                        help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
-                             "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
-                             "port)")
-    add_routing_options(parser)
-    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
-                                                         "the run's own temporary directory, removed when it ends)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
-                        help="give up if the engines have not loaded the model after this long")
+    add_flags(parser, "run", KNOWN_POLICIES=KNOWN_POLICIES)
     add_server_options(parser, default_host="127.0.0.1")
     add_engine_options(parser)
     add_token_option(parser, default="a new secret for this run, kept in its run directory")
-    add_insecure_option(parser)
-    add_log_option(parser)
+    add_flags(parser, "insecure", "log")
     parser.set_defaults(log_level="WARNING")
 
 

@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..generation_config import GenerationDefaults
 from ..heap import pause_collection_until_started
-from ..http_options import FAIRNESS_HEADER, METRICS_COMPAT, HTTPOptions, Shedding, TenancyOptions
-from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE, HEALTH_STALL_TIMEOUT,
-                      MAIN_BACKLOG, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
+from ..http_options import HTTPOptions, TenancyOptions
+from ..limits import MAIN_BACKLOG, RequestLimits
 from ..multimodal import ImageOptions
 from . import api_servers, local_runs
-from .aliases import add_option
+from .flags import add_flags
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import (add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging,
+from .options import (add_coordinator_option, add_token_option, read_secret, read_token, setup_logging,
                       stopped_exit_code)
 from ..client.vllm_options import Scope, add_vllm_options
 
@@ -39,92 +38,12 @@ ADMIN_KEY_ENV = "MEGATRON_SERVE_ADMIN_KEY"  # the same as megatron_serve.server.
 
 
 def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> None:
-    """HTTP options shared by ``server`` and ``run``.
-
-    Long: one ``add_argument`` per option, a flat table that reads best whole.
-    """
-    group = parser.add_argument_group("HTTP server")
-    group.add_argument("--host", default=default_host, help="interface to listen on")
-    group.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
-    group.add_argument("--served-model-name", metavar="NAME",
-                       help="the model name clients send (default: the Hub id, or the model directory's name)")
-    keys = group.add_mutually_exclusive_group()
-    keys.add_argument("--api-key-file", metavar="PATH",
-                      help=f"require the key in this file as 'Authorization: Bearer KEY' on /v1 (default: "
-                           f"${API_KEY_ENV}, else no key)")
-    keys.add_argument("--api-key", metavar="KEY",
-                      help="the same, with the key itself on the command line, as in vLLM (visible to `ps`: "
-                           "prefer --api-key-file)")
-    admin = group.add_mutually_exclusive_group()
-    admin.add_argument("--admin-key-file", metavar="PATH",
-                       help=f"open the admin API (/v1/admin: pause, unpause, suspend, resume, refit, status) to "
-                            f"this key as 'Authorization: Bearer KEY' (else ${ADMIN_KEY_ENV}; none = admin API off). "
-                            "It must differ from the API key")
-    admin.add_argument("--admin-key", metavar="KEY",
-                       help="the same, with the admin key itself on the command line (visible to `ps`: prefer "
-                            "--admin-key-file)")
-    api_servers.add_option(group)
-    group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
-                       help="queue limit: engine requests this server holds at once; more are answered 429 "
-                            "(default: no limit)")
-    group.add_argument("--read-timeout", type=float, default=60.0, metavar="S",
-                       help="a request (headers and body) must arrive within this many seconds of its first byte, "
-                            "else 408 and the connection is closed (slow clients cannot hold connections)")
-    group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE, metavar="S",
-                       help="close a connection idle for this many seconds between two requests (uvicorn's option; "
-                            "longer than clients and proxies keep idle connections, so that they close first); "
-                            f"before its first request a connection may stay idle {FIRST_REQUEST_IDLE:g} s, or this "
-                            "when shorter")
-    group.add_argument("--max-connections", type=int, default=None, metavar="N",
-                       help="open connections at most; past it a new one gets 503 and is closed (default: the "
-                            "open-file limit, raised to its maximum, less a reserve)")
-    add_option(group, "--drain-timeout", type=float, default=30.0, metavar="S",
-               help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for this "
-                    "long; then the rest end with an error (a second signal stops at once); vLLM's "
-                    "--shutdown-timeout (whose default, 0, aborts them at once)")
-    group.add_argument("--scale-from-zero-timeout", type=float, default=0.0, metavar="S",
-                       help="while no engine is registered (a fleet scaled to zero), a request waits this long for "
-                            "one, then gets 503 no_engine with Retry-After; megatron_serve_engine_groups_wanted is 1 "
-                            "while any waits, and /ready is 200 while the queue has room (docs/kubernetes/"
-                            "autoscaling.md). 0 (the default): off, /ready is 503 without an engine")
-    group.add_argument("--scale-from-zero-queue", type=int, default=256, metavar="N",
-                       help="requests that may wait for a first engine at once; past it 503 no_engine at once")
-    group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
-                       help="a lost coordinator has this long to come back before the requests in flight end with "
-                            "an error (503, or an error event in a stream); back in time, they go on")
-    group.add_argument("--status-interval", type=float, default=STATUS_INTERVAL, metavar="S",
-                       help="how often the server asks the coordinator for the fleet's status (readiness, 503s, the "
-                            "fleet gauges of /metrics)")
-    group.add_argument("--status-timeout", type=float, default=STATUS_TIMEOUT, metavar="S",
-                       help="a status answer later than this makes the fleet 'busy' while the coordinator still "
-                            "streams (the last status stands, requests are accepted), else unreachable (503)")
-    group.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT, metavar="S",
-                       help="how long /ready and /metrics wait for a fresh status before they answer from the last "
-                            "one (they still wait for the event loop: probes belong on --health-port)")
-    group.add_argument("--health-port", type=int, default=None, metavar="PORT",
-                       help="a second port answering only /health and /ready, from a process of its own: fast (within "
-                            "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
-                            "(default: --port + 1, or any free port when that is taken, is --coordinator-port or --port "
-                            "is 0)")
-    group.add_argument("--health-stall-timeout", type=float, default=HEALTH_STALL_TIMEOUT, metavar="S",
-                       help="the probe port's /health is 503 once the server's event loop has not run for this long "
-                            "(hung, not busy: a liveness probe restarts it)")
-    group.add_argument("--stream-interval", type=int, default=1, metavar="N",
-                       help="streamed tokens per chunk, as in vLLM: a larger value sends fewer, larger chunks "
-                            "(less work per token for server and client); a choice's first token goes at once")
-    group.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
-                       help="threads that tokenize prompts and render chat templates, off the event loop "
-                            "(default: up to 4)")
-    group.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
-                       help="Jinja chat template for /v1/chat/completions, as a file or inline (default: the "
-                            "tokenizer's own)")
-    group.add_argument("--generation-config", metavar="auto|none|DIR", default="auto",
-                       help="sampling defaults for fields a request leaves out: auto = the model's "
-                            "generation_config.json, none = ignore it, DIR = that directory's file")
-    group.add_argument("--metrics-compat", choices=METRICS_COMPAT, default="vllm",
-                       help="vllm: /metrics also exports vLLM's series (vllm:num_requests_waiting, "
-                            "vllm:kv_cache_usage_perc ...) for gateways and autoscalers written for vLLM")
-    add_tenancy_options(parser)
+    """HTTP options shared by ``server`` and ``run`` (``flags.yaml``'s sections), and the request limits."""
+    add_flags(parser.add_argument_group("HTTP server"), "http_server", default_host=default_host,
+              API_KEY_ENV=API_KEY_ENV, ADMIN_KEY_ENV=ADMIN_KEY_ENV)
+    add_flags(parser.add_argument_group("tenants", "several keys in the key file, each with its tenant, class and "
+                                                   "limits (docs/tenants.md); these flags: the fairness header and "
+                                                   "when sheddable requests are refused"), "tenants")
     limits = parser.add_argument_group("request limits", "what one request may carry; beyond it, 400 or 413 "
                                                          "before any work is done")
     defaults = RequestLimits()
@@ -134,39 +53,8 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
         shown = f" (default: {kind(default)!r})" if default is not None else ""
         limits.add_argument(flag, dest=name, type=kind, default=None, metavar="S" if kind is float else "N",
                             help=text + shown)
-
-
-    images = parser.add_argument_group("images (vision-language models)")
-    images.add_argument("--image-fetch-timeout", type=float, default=ImageOptions.fetch_timeout, metavar="S",
-                        help=f"seconds to fetch one http(s) image URL (default {ImageOptions.fetch_timeout:g})")
-    images.add_argument("--no-remote-images", dest="remote_images", action="store_false",
-                        help="do not fetch http(s) image URLs (data: URLs only), e.g. where the server must not "
-                             "reach into its network")
+    add_flags(parser.add_argument_group("images (vision-language models)"), "images")
     add_vllm_options(parser, Scope.SERVER)
-
-
-def add_tenancy_options(parser: argparse.ArgumentParser) -> None:
-    """Tenants besides the key file (its document names the keys, tenants, classes and limits: docs/tenants.md)."""
-    group = parser.add_argument_group("tenants", "several keys in the key file, each with its tenant, class and "
-                                                 "limits (docs/tenants.md); these flags: the fairness header and "
-                                                 "when sheddable requests are refused")
-    group.add_argument("--tenant-header", metavar="NAME", default=None,
-                       help=f"the header whose value names a request's tenant when its key names none (a gateway's "
-                            f"fairness id). Default: {FAIRNESS_HEADER}, read when the key file holds tenants; "
-                            "given, tenants are on with a single key or none too; '' never reads one")
-    defaults = Shedding()
-    group.add_argument("--shed-queue-depth", type=float, default=None, metavar="N",
-                       help=f"the fleet is saturated (sheddable requests get 503 + Retry-After) when every engine has "
-                            f"this many requests waiting, its own and its share of the coordinator's, or "
-                            f"--shed-kv-cache-usage of its KV blocks in use (default {defaults.queue_depth:g}; 0: off)")
-    group.add_argument("--shed-kv-cache-usage", type=float, default=None, metavar="F",
-                       help=f"see --shed-queue-depth: a fraction of the KV blocks (default {defaults.kv_cache_usage:g}; "
-                            "0: off)")
-    group.add_argument("--shed-stale-after", type=float, default=None, metavar="S",
-                       help=f"the fleet also counts as saturated when its last status is older than this "
-                            f"(default {defaults.stale_after:g}; 0: off)")
-    group.add_argument("--shed-retry-after", type=int, default=None, metavar="S",
-                       help=f"the Retry-After of a shed request (default {defaults.retry_after})")
 
 
 def tenancy_options(args: argparse.Namespace) -> TenancyOptions:
@@ -278,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_coordinator_option(parser)
     add_server_options(parser, default_host="0.0.0.0")
     add_token_option(parser, default="the secret of your `megatron-serve run` at that address, else none")
-    add_log_option(parser)
+    add_flags(parser, "log")
 
 
 def run(args: argparse.Namespace) -> int:
