@@ -23,6 +23,7 @@ from ..wire.lifecycle import FleetState, Verb, walk
 from ..wire.verb_calls import CLI, VERB_CALLS, Arg, ArgumentError, VerbCall, verb_call
 from . import local_runs
 from .aliases import add_option
+from .flags import add_flags
 from .inputs import coordinator_address
 from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, read_token
 
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("verb", choices=VERBS, type=_verb_name,
                         help="what to do: " + ", ".join(VERBS) + " (a hyphen for an underscore too: scale-ep)")
     add_coordinator_option(parser, required=False)
-    parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
+    add_flags(parser, "control_format")
     for name, takers in _options().items():
         arg = takers[0][1]
         text = _help(takers)
@@ -72,10 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:  # absent: None, so that an option given to a verb that does not take it is refused by name
             add_option(parser, arg.flag, dest=name, type=arg.kind, default=None,  # stop --shutdown-timeout too
                        choices=list(arg.choices) if arg.choices is not None else None, metavar=arg.metavar, help=text)
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                        help="give up waiting for the acknowledgement after this long")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
-                        help="give up when no coordinator answers within this long")
+    add_flags(parser, "control_timeouts")
     add_token_option(parser, default="the secret of your `megatron-serve run` at that address, else none")
 
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 
+from .flags import add_flags
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="ORG/NAME[@REV]", help="the Hub id, optionally with a branch, tag or commit")
-    parser.add_argument("--revision", metavar="REV", default=None, help="same as @REV (default: main)")
-    parser.add_argument("--local-dir", metavar="DIR", default=None,
-                        help="write the files to this directory (default: the Hugging Face cache)")
-    parser.add_argument("--skip-weights", action="store_true",
-                        help="only config, tokenizer and generation files: what the coordinator and server read")
+    add_flags(parser, "download")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,27 +8,14 @@ import time
 from pathlib import Path
 
 from .engine_options import add_engine_options, inference_config_from_args
+from .flags import add_flags
 from .inputs import check_model_dir
 from .model_options import add_model_options, resolve_model_args
-
-_MODEL_DEFAULT = "default: the model's generation_config.json, else {}"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help=f"tokens to generate ({_MODEL_DEFAULT.format(32)})")
-    parser.add_argument("--temperature", type=float, default=None, help=_MODEL_DEFAULT.format("0 = greedy"))
-    parser.add_argument("--top-p", type=float, default=None, help=_MODEL_DEFAULT.format("1 = off"))
-    parser.add_argument("--top-k", type=int, default=None, help=_MODEL_DEFAULT.format("0 = off"))
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    parser.add_argument("--generation-config", metavar="auto|none|DIR", default="auto",
-                        help="sampling defaults: auto = the model's generation_config.json, none = ignore it, "
-                             "DIR = that directory's file")
-    parser.add_argument("--image", action="append", default=[], metavar="FILE",
-                        help="an image for every prompt (vision-language models): each prompt holds one image "
-                             "placeholder of the model per --image, in order")
+    add_flags(parser, "generate")
     add_engine_options(parser)
 
 

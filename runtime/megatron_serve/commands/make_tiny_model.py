@@ -6,27 +6,12 @@ import argparse
 import sys
 
 from ..model.tiny import ARCHITECTURE_NAMES, MOE_DEFAULTS, make_tiny_model
+from .flags import add_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="where to write the model (created if missing)")
-    parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURE_NAMES), default="llama",
-                        help="model family; mixtral, qwen2_moe and qwen3_moe are mixture-of-experts models; llava, "
-                             "qwen2_vl and qwen2_5_vl also write an image processor")
-    parser.add_argument("--hidden-size", type=int, default=64, help="model width")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
-    parser.add_argument("--intermediate-size", type=int, default=128, help="MLP width")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="pad the tokenizer with placeholder tokens to this size (a real model's shape, for "
-                             "benchmarks; Llama 3: 128256)")
-    parser.add_argument("--tie-word-embeddings", action="store_true", help="the LM head shares the embedding table")
-    parser.add_argument("--experts", type=int, default=None,
-                        help="experts per layer of a mixture-of-experts arch (default 8)")
-    parser.add_argument("--experts-per-token", type=int, default=None,
-                        help="experts each token is routed to (default 2)")
+    add_flags(parser, "make_tiny_model", ARCHITECTURE_NAMES=sorted(ARCHITECTURE_NAMES))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import signal
 
+from .flags import add_flags
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="the address the store binds (the group's MASTER_ADDR)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="the port the store binds (the group's MASTER_PORT; 0: one the kernel picks, printed)")
+    add_flags(parser, "rendezvous_store")
 
 
 def run(args: argparse.Namespace) -> int:
