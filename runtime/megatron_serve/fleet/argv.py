@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from ..wire.json_object import json_object
+
 if TYPE_CHECKING:  # importing config imports torch
     from ..config import InferenceConfig
 
@@ -25,12 +27,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 def kv_transfer_config(text: str) -> str:
     """The ``kv_role`` of ``--kv-transfer-config`` (vLLM's JSON object: ``{"kv_connector": "CoordinatorConnector",
     "kv_role": "kv_producer"}``); ``ValueError`` naming the flag and the key for anything else."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-transfer-config must be a JSON object: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}")
+    config = json_object(text, "--kv-transfer-config")
     unknown = sorted(set(config) - {"kv_connector", "kv_role"})
     if unknown:
         raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)} (known: kv_connector, kv_role)")

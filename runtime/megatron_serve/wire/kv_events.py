@@ -26,6 +26,8 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from .json_object import json_object
+
 #: ``medium`` of a block in each tier (vLLM says ``GPU`` for the device pool and ``CPU`` for host memory).
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
@@ -120,15 +122,8 @@ def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) 
     """``--kv-events-config``'s value (a JSON object, or its dict) as a config; ``ValueError`` naming what is wrong."""
     if value is None or isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
     try:
-        return msgspec.convert(value, KVEventsConfig)
+        return msgspec.convert(json_object(value, "--kv-events-config"), KVEventsConfig)
     except msgspec.ValidationError as exc:
         fields = ", ".join(KVEventsConfig.__struct_fields__)
         raise ValueError(f"--kv-events-config: {exc} (its fields: {fields})") from None
