@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_rollout, crd_speculative, crd_tenants
-from .crd_fields import free_field, int_field, obj_field, str_field, volume_field
+from .crd_fields import free_field, int_field, obj_field, secret_key_field, str_field, volume_field
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -211,12 +211,7 @@ def spec_schema() -> dict[str, Any]:
                              "coordinator and engines start. Without volume, each pod fetches into its own emptyDir; "
                              "a writable shared volume (e.g. a ReadWriteMany PVC) fetches once.",
                              maxLength=300, pattern=HUB_ID_PATTERN),
-            "hubTokenSecretRef": obj_field(
-                "Secret key holding an HF_TOKEN for gated or private Hub models.",
-                {"name": str_field("Secret name.", minLength=1, maxLength=253),
-                 "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
-                required=["name", "key"],
-            ),
+            "hubTokenSecretRef": secret_key_field("Secret key holding an HF_TOKEN for gated or private Hub models."),
             "volume": volume_field("Any Kubernetes volume source holding the model, e.g. "
                                    "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
                                    "hub init container mounts it writable)."),
@@ -314,12 +309,7 @@ def spec_schema() -> dict[str, Any]:
                                    "kubelet's probes come from the node). 0: no probe port, the probes use the HTTP "
                                    "port.",
                                    minimum=0, maximum=65535, default=8001),
-            "apiKeySecretRef": obj_field(
-                "Secret key holding the API key clients must send.",
-                {"name": str_field("Secret name.", minLength=1, maxLength=253),
-                 "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
-                required=["name", "key"],
-            ),
+            "apiKeySecretRef": secret_key_field("Secret key holding the API key clients must send."),
             "resources": _resources("Resources of the server container."),
             **crd_tenants.server_fields(),
             "apiServerCount": int_field("HTTP server processes in the server container, sharing its port, each with "

@@ -22,6 +22,13 @@ def obj_field(description: str, properties: dict[str, Any], **extra: Any) -> dic
     return {"type": "object", "description": description, "properties": properties, **extra}
 
 
+def secret_key_field(description: str) -> dict[str, Any]:
+    """A key of a Secret (``{name, key}``): where the operator has a pod read an API key or a Hub token from."""
+    return obj_field(description, {"name": str_field("Secret name.", minLength=1, maxLength=253),
+                                   "key": str_field("Key in the Secret.", minLength=1, maxLength=253)},
+                     required=["name", "key"])
+
+
 def free_field(description: str) -> dict[str, Any]:
     """An object whose content the API server keeps as is (a Kubernetes type we pass through)."""
     return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}

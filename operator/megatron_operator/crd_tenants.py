@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .crd_fields import secret_key_field
+
 #: megatron_serve.wire.tenancy.CLASSES (a test keeps them equal).
 CLASSES = ["critical", "standard", "sheddable"]
 #: The variable of the server container that holds the key document (megatron_serve.server.API_KEY_ENV).
@@ -21,9 +23,6 @@ API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
 KEY_ENV_PREFIX = "MEGATRON_SERVE_TENANT_KEY_"
 DEFAULT_KEY_ENV = "MEGATRON_SERVE_DEFAULT_KEY"
 
-_SECRET_REF = {"type": "object", "description": "A key in a Secret.", "required": ["name", "key"], "properties": {
-    "name": {"type": "string", "description": "Secret name.", "minLength": 1, "maxLength": 253},
-    "key": {"type": "string", "description": "Key in the Secret.", "minLength": 1, "maxLength": 253}}}
 _LIMIT = {"type": "integer", "format": "int64", "minimum": 1}
 
 
@@ -44,7 +43,7 @@ def tenants_schema() -> dict[str, Any]:
                                                      "max_tokens comes back); over it, 429 with Retry-After."},
         "requestsPerMinute": {**_LIMIT, "description": "Requests a minute; over it, 429 with Retry-After."},
         "maxConcurrent": {**_LIMIT, "format": "int32", "description": "Requests at once; over it, 429."},
-        "apiKeySecretRefs": {"type": "array", "maxItems": 64, "items": _SECRET_REF,
+        "apiKeySecretRefs": {"type": "array", "maxItems": 64, "items": secret_key_field("A key in a Secret."),
                              "description": "The tenant's API keys, each a key in a Secret (none: a tenant the "
                                             "fairness header names)."},
     }}
