@@ -7,6 +7,8 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from megatron_serve.wire.security import read_secret_file
+
 from . import __version__
 
 DEFAULT_IMAGE = f"ghcr.io/megatron-serve/megatron-serve:{__version__}"
@@ -57,19 +59,8 @@ def token_key_from_env(env: Mapping[str, str]) -> bytes | None:
     if env.get(ENV_TOKEN_KEY):
         return env[ENV_TOKEN_KEY].encode()
     if env.get(ENV_TOKEN_KEY_FILE):
-        return read_token_key(env[ENV_TOKEN_KEY_FILE], ENV_TOKEN_KEY_FILE)
+        return read_secret_file(env[ENV_TOKEN_KEY_FILE], ENV_TOKEN_KEY_FILE)
     return None
-
-
-def read_token_key(path: str, source: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
-    if not key:
-        raise ValueError(f"{source}: {path} is empty")
-    return key
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ import sys
 from typing import Any
 
 from megatron_serve.fleet.argv import kv_role_argv
+from megatron_serve.wire.security import read_secret_file
 
-from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
+from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, token_key_from_env
 from .crd_kv_tiers import with_host_tier
 from .crd_tenants import server_tenancy
 from .disruption import render_budgets
@@ -530,7 +531,7 @@ def render_command(path: str, out: Any = None, err: Any = None, *, token_key_fil
     err = err or sys.stderr
     try:
         config = OperatorConfig.from_env()
-        key = read_token_key(token_key_file, "--token-key-file") if token_key_file else token_key_from_env(os.environ)
+        key = read_secret_file(token_key_file, "--token-key-file") if token_key_file else token_key_from_env(os.environ)
     except ValueError as exc:
         print(f"megatron-serve render: error: {exc}", file=err)
         return 2

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from ..wire.security import TOKEN_ENV
+from ..wire.security import TOKEN_ENV, read_secret_file
 from .flags import add_flags
 
 
@@ -27,14 +27,7 @@ def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -
     """A secret from the file named by ``flag`` (attribute ``attribute``), else ``$env``, else ``None``."""
     path = getattr(args, attribute, None)
     if path:
-        try:
-            with open(path) as fh:
-                secret = fh.read().strip()
-        except OSError as exc:
-            raise FileNotFoundError(f"cannot read {flag} {path}: {exc.strerror}") from None
-        if not secret:
-            raise ValueError(f"{flag} {path} is empty")
-        return secret
+        return read_secret_file(path, flag).decode()
     return os.environ.get(env) or None
 
 

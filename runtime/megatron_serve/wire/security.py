@@ -55,6 +55,20 @@ HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_N
 SECRET_HINT = "pass --token-file FILE or set $MEGATRON_SERVE_TOKEN"
 
 
+def read_secret_file(path: str, source: str) -> bytes:
+    """The secret kept in the file ``path``, surrounding whitespace dropped: the fleet's (``--token-file``), an API
+    key's, the operator's token key. ``ValueError`` naming ``source`` (what named the file) when the file cannot be
+    read or holds nothing."""
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ValueError(f"{source}: {path} is empty")
+    return secret
+
+
 class WeakSecret(ValueError):
     """A fleet secret too short to resist guessing."""
 
