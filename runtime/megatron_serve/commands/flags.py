@@ -1,10 +1,12 @@
-"""The serving commands' own options as one table: each option declared once, as data.
+"""Every command's own options as one table: each option declared once, as data.
 
 The rows live in ``flags.yaml`` beside this module (its header says the keys), read once at import, in sections:
 the options one command or one group of commands takes together (``coordinator``, ``engine``, ``http_server``,
 ``routing`` ...). A command's ``add_arguments`` adds its sections with :func:`add_flags`, in the order its
 ``--help`` lists them. vLLM's own options are the other table (:mod:`megatron_serve.client.vllm_options`), and
-vLLM's names for ours are added beside them (:func:`.aliases.add_option`).
+vLLM's names for ours are added beside them (:func:`.aliases.add_option`). Three kinds of options are generated
+from the tables they belong to instead: ``control``'s per-verb options (``wire/verb_calls.py``), the request limits
+(``limits.RequestLimits``) and the model's options, whose help each command words (``model_options.py``).
 
 A row's values may name a constant (``{DEFAULT_PORT}``, ``{KNOWN_POLICIES}``, ``{FIRST_REQUEST_IDLE:g}`` in a help
 text): the named values below, or those a caller passes, so that a default or a limit is written once, in the code
