@@ -32,7 +32,7 @@ def test_the_engine_delivers_each_row_once_and_keeps_none_it_delivered():
     capture.record(7, rows(7, 1))
     start, fresh = capture.take_undelivered()
     assert start == 5 and fresh[:, 0, 0].tolist() == [105, 106, 7]
-    assert capture.take_undelivered() is None and capture._undelivered == []  # nothing new, nothing kept
+    assert capture.take_undelivered() is None and capture._chunks == []  # nothing new, nothing kept
     with pytest.raises(RuntimeError, match="position 9 computed before position 8"):
         capture.record(9, rows(9, 1))
 

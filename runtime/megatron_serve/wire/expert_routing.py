@@ -41,37 +41,40 @@ def routing_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
 
 
-def unrecorded_rows(count: int, start: int, rows: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
-    """Of ``rows`` (positions ``start, start + 1, ...``), a copy of those past the ``count`` already recorded, or
-    None; a gap before ``start`` is a bug (``RuntimeError``)."""
-    if start > count:
-        raise RuntimeError(f"routing of position {start} computed before position {count}")
-    fresh = rows[count - start:]
-    return fresh.astype(dtype, copy=True) if len(fresh) else None
+class RoutingRows:
+    """One request's rows by position, appended as the steps compute them: ``count`` positions so far, and the rows
+    not yet taken. Its two kinds differ in what they keep: a :class:`RoutingRecord` every row, a
+    :class:`RoutingCapture` only those its next output takes."""
+
+    def __init__(self, num_layers: int, top_k: int, dtype: np.dtype, count: int = 0) -> None:
+        self.shape = (num_layers, top_k)
+        self.dtype = dtype
+        self.count = count
+        self._chunks: list[np.ndarray] = []
+
+    def record(self, start: int, rows: np.ndarray) -> None:
+        """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows, and a gap
+        before ``start`` is a bug (``RuntimeError``)."""
+        if start > self.count:
+            raise RuntimeError(f"routing of position {start} computed before position {self.count}")
+        fresh = rows[self.count - start:]
+        if len(fresh):
+            self._chunks.append(fresh.astype(self.dtype, copy=True))
+            self.count += len(fresh)
 
 
-class RoutingRecord:
+class RoutingRecord(RoutingRows):
     """Every row of one request so far, as its readers keep them (the coordinator's mirror, the client's collector,
     the expert API's adapter)."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: np.dtype, recorded: np.ndarray | None = None):
-        self.shape = (num_layers, top_k)
-        self.dtype = dtype
-        self._chunks: list[np.ndarray] = []
-        self.count = 0
+        super().__init__(num_layers, top_k, dtype)
         if recorded is not None and len(recorded):
             if recorded.shape[1:] != self.shape:
                 raise ValueError(f"routing_indices of shape {recorded.shape} do not fit this model's "
                                  f"{num_layers} MoE layers x top-{top_k}")
             self._chunks.append(recorded.astype(dtype, copy=False))
             self.count = len(recorded)
-
-    def record(self, start: int, rows: np.ndarray) -> None:
-        """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
-        fresh = unrecorded_rows(self.count, start, rows, self.dtype)
-        if fresh is not None:
-            self._chunks.append(fresh)
-            self.count += len(fresh)
 
     def array(self) -> np.ndarray:
         """Every recorded row, ``[count, layers, top_k]``."""
@@ -82,24 +85,15 @@ class RoutingRecord:
         return self._chunks[0] if self._chunks else np.empty((0, *self.shape), dtype=self.dtype)
 
 
-class RoutingCapture:
+class RoutingCapture(RoutingRows):
     """One request's rows on the engine: how many positions are recorded (a continuation's first count is the rows
     it brings), and the rows recorded since the last output, which that output takes. Nothing delivered stays: the
     readers of the outputs keep the rows (the coordinator's mirror and the client's collector, a
     :class:`RoutingRecord` each; the expert API's adapter for a public request)."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: np.dtype, recorded: int = 0):
-        self.shape = (num_layers, top_k)
-        self.dtype = dtype
-        self.count = self.delivered = recorded
-        self._undelivered: list[np.ndarray] = []
-
-    def record(self, start: int, rows: np.ndarray) -> None:
-        """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
-        fresh = unrecorded_rows(self.count, start, rows, self.dtype)
-        if fresh is not None:
-            self._undelivered.append(fresh)
-            self.count += len(fresh)
+        super().__init__(num_layers, top_k, dtype, count=recorded)
+        self.delivered = recorded
 
     def take_undelivered(self) -> tuple[int, np.ndarray] | None:
         """``(first position, rows)`` recorded since the last call, or None; they are not kept."""
@@ -108,7 +102,7 @@ class RoutingCapture:
         import numpy as np  # noqa: PLC0415 - see DTYPES
 
         start, self.delivered = self.delivered, self.count
-        chunks, self._undelivered = self._undelivered, []
+        chunks, self._chunks = self._chunks, []
         return start, chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
 
 
