@@ -48,7 +48,7 @@ def test_registered_under_its_design_name_and_bounds_stated():
     policy = make_routing_policy("prefix_affinity")
     assert isinstance(policy, PrefixAffinity) and policy.name == "prefix_affinity"
     assert (DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO) == (4, 1.5)
-    assert policy.load_limit(0) == 4 and policy.load_limit(4) == 8 and policy.load_limit(20) == 30
+    assert policy.bound.limit(0) == 4 and policy.bound.limit(4) == 8 and policy.bound.limit(20) == 30
     with pytest.raises(ValueError):
         PrefixAffinity(max_load_ratio=0.5)
 
@@ -112,7 +112,7 @@ def test_a_hot_prefix_fills_its_group_up_to_the_load_bound_then_spills():
     for i in range(12):
         pick = policy.select(request(seq(500, 8) + [i]), groups)
         loads = [g.load for g in groups]
-        assert pick.load <= policy.load_limit(min(loads)), (i, loads)
+        assert pick.load <= policy.bound.limit(min(loads)), (i, loads)
         pick.load += 1
         chosen.append(pick.group)
         assert max(g.load for g in groups) - min(g.load for g in groups) <= DEFAULT_MAX_LOAD_GAP + 1

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from ..wire.prefix_hash import block_hashes, epoch_root
 from .kv_index import MEDIUM_WEIGHTS, KVIndex
-from .prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, engine_block_size, load_limit
+from .prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, LoadBound, engine_block_size
 from .routing import EngineView, RequestView, register_routing_policy
 
 DEFAULT_OVERLAP_WEIGHT = 1.0
@@ -48,25 +48,19 @@ class KVAware:
                  pending_s: float = DEFAULT_PENDING_S) -> None:
         if overlap_weight < 0 or temperature < 0 or pending_s < 0:
             raise ValueError("overlap_weight, temperature and pending_s must be >= 0")
-        if max_load_gap < 0 or max_load_ratio < 1.0:
-            raise ValueError("max_load_gap must be >= 0 and max_load_ratio >= 1")
         self.index = index
         self.overlap_weight = float(overlap_weight)
         self.temperature = float(temperature)
-        self.max_load_gap = int(max_load_gap)
-        self.max_load_ratio = float(max_load_ratio)
+        self.bound = LoadBound(int(max_load_gap), float(max_load_ratio))
         self._random = random.Random(seed)
         self.pending_s = float(pending_s)
         self._pending: dict[str, dict[int, float]] = {}  # engine -> block hash routed there -> until when it counts
         self.hit_blocks = 0  # blocks the chosen engines held, for logs and the benchmark
         self.untrusted = 0  # candidates routed by load alone because their events lag
 
-    def load_limit(self, min_load: int) -> float:
-        return load_limit(min_load, self.max_load_gap, self.max_load_ratio)
-
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         tokens = list(request.prefix_keys)
-        limit = self.load_limit(min(e.load for e in candidates))
+        limit = self.bound.limit(min(e.load for e in candidates))
         now = self.index.now  # the coordinator's clock, as the index's lag was measured
         chains: dict[tuple[int, int], list[int]] = {}
         scored: list[tuple[float, int, int, EngineView]] = []

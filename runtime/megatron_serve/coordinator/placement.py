@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ..wire.placement import Placement, PlacementError
 from ..wire.protocol import ErrorCode
-from .prefix_routing import load_limit
+from .prefix_routing import LoadBound
 from .routing import EngineView, engine_slot
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def rank_engine(engines: Iterable[EngineView], rank: int) -> str:
 
 def under_load_bound(engine: EngineView, candidates: Sequence[EngineView]) -> bool:
     """Whether ``engine`` is within the load bound of ``prefix_affinity`` and ``kv_aware`` among ``candidates``."""
-    return engine.load <= load_limit(min(e.load for e in candidates))
+    return engine.load <= LoadBound().limit(min(e.load for e in candidates))
 
 
 class Sessions:

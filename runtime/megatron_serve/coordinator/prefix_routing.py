@@ -38,6 +38,7 @@ Forgetting
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..wire.prefix_hash import block_hashes
@@ -49,11 +50,22 @@ DEFAULT_MAX_HASHES_PER_GROUP = 65_536
 DEFAULT_MAX_PROMPT_BLOCKS = 2_048
 
 
-def load_limit(min_load: float, max_load_gap: int = DEFAULT_MAX_LOAD_GAP,
-               max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO) -> float:
-    """The most requests in flight an engine may have to be chosen for its cache (a prefix, a session), given the
-    least-loaded candidate's count (see :class:`PrefixAffinity`)."""
-    return min_load + max(max_load_gap, (max_load_ratio - 1.0) * min_load)
+@dataclass(frozen=True)
+class LoadBound:
+    """How far above the least-loaded candidate an engine group may be and still be chosen for what it caches (a
+    prefix, a session): the module docstring's load bound, held by ``prefix_affinity``, ``kv_aware`` and session
+    affinity alike."""
+
+    max_gap: int = DEFAULT_MAX_LOAD_GAP
+    max_ratio: float = DEFAULT_MAX_LOAD_RATIO
+
+    def __post_init__(self) -> None:
+        if self.max_gap < 0 or self.max_ratio < 1.0:
+            raise ValueError("max_load_gap must be >= 0 and max_load_ratio >= 1")
+
+    def limit(self, min_load: float) -> float:
+        """The most requests in flight a group may have to be chosen, given the least-loaded candidate's count."""
+        return min_load + max(self.max_gap, (self.max_ratio - 1.0) * min_load)
 
 
 def engine_block_size(engine: EngineView) -> int | None:
@@ -90,12 +102,9 @@ class PrefixAffinity:
         max_hashes_per_group: int = DEFAULT_MAX_HASHES_PER_GROUP,
         max_prompt_blocks: int = DEFAULT_MAX_PROMPT_BLOCKS,
     ) -> None:
-        if max_load_gap < 0 or max_load_ratio < 1.0:
-            raise ValueError("max_load_gap must be >= 0 and max_load_ratio >= 1")
         if max_hashes_per_group < 1 or max_prompt_blocks < 1:
             raise ValueError("max_hashes_per_group and max_prompt_blocks must be >= 1")
-        self.max_load_gap = int(max_load_gap)
-        self.max_load_ratio = float(max_load_ratio)
+        self.bound = LoadBound(int(max_load_gap), float(max_load_ratio))
         self.max_hashes_per_group = int(max_hashes_per_group)
         self.max_prompt_blocks = int(max_prompt_blocks)
         self._history: dict[str, OrderedDict[int, None]] = {}  # engine_id -> routed chain hashes (LRU order)
@@ -105,13 +114,9 @@ class PrefixAffinity:
 
     # ------------------------------------------------------------------ RoutingPolicy
 
-    def load_limit(self, min_load: int) -> float:
-        """The most requests in flight a group may have to be chosen, given the least-loaded group's count."""
-        return load_limit(min_load, self.max_load_gap, self.max_load_ratio)
-
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         tokens = list(request.prefix_keys)
-        limit = self.load_limit(min(e.load for e in candidates))
+        limit = self.bound.limit(min(e.load for e in candidates))
         hashes_by_size: dict[int, list[int]] = {}
         matched: dict[str, int] = {}
         eligible = []
@@ -203,10 +208,10 @@ class PrefixAffinity:
         """Facts for logs and tests (no hashes)."""
         return {"groups": {engine_id: len(h) for engine_id, h in self._history.items()},
                 "affinity_hits": self.affinity_hits, "load_skips": self.load_skips,
-                "max_load_gap": self.max_load_gap, "max_load_ratio": self.max_load_ratio}
+                "max_load_gap": self.bound.max_gap, "max_load_ratio": self.bound.max_ratio}
 
 
 register_routing_policy(PrefixAffinity.name, lambda _index: PrefixAffinity())
 
-__all__ = ["PrefixAffinity", "engine_block_size", "host_tier_blocks", "load_limit", "DEFAULT_MAX_LOAD_GAP",
+__all__ = ["LoadBound", "PrefixAffinity", "engine_block_size", "host_tier_blocks", "DEFAULT_MAX_LOAD_GAP",
            "DEFAULT_MAX_LOAD_RATIO"]
