@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from megatron_serve.wire.engine_stats import EPLB, KV_DISK, KV_OFFLOAD, KV_TRANSFER, EngineStats
+from megatron_serve.server import metric_catalog
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.http_options import WakeOptions
 from megatron_serve.server.wake import WakeCollector, WakeGate
@@ -234,3 +238,19 @@ def test_the_data_parallel_ranks_of_one_group_are_series_of_their_own():
     families = scrape([*ranks, engine(1, a_report())])
     usage = {s.labels["engine_group"]: s.value for s in families["megatron_serve_kv_cache_usage_perc"].samples}
     assert usage == {"0-dp0": 0.25, "0-dp1": 0.25, "1": 0.25}
+
+
+def test_catalogue_rows_are_checked_at_load(tmp_path: Path) -> None:
+    """``metric_catalog.yaml``'s rows become the catalogue; a key it does not know, or an engine series not labelled
+    by engine first (what the per-engine collector fills in), is refused naming the row."""
+    table = tmp_path / "metric_catalog.yaml"
+    table.write_text("- {name: x_total, kind: counter, source: engine, labels: [engine_group, model_name, reason], "
+                     "help: h}\n- {name: y, kind: gauge, source: fleet, help: h}\n")
+    assert [(s.name, s.labels) for s in metric_catalog._load(table)] == [
+        ("x_total", ("engine_group", "model_name", "reason")), ("y", ())]
+    table.write_text("- {name: x_total, kind: counter, source: engine, labels: [reason], help: h}\n")
+    with pytest.raises(ValueError, match="x_total: an engine series is labelled engine_group, model_name first"):
+        metric_catalog._load(table)
+    table.write_text("- {name: y, kind: gauge, source: fleet, help: h, units: s}\n")
+    with pytest.raises(ValueError, match=r"metric_catalog.yaml y: unknown key\(s\) units"):
+        metric_catalog._load(table)

@@ -52,16 +52,20 @@ _NAME = re.compile(r"\{([A-Za-z_][\w.]*)(?::([^{}]*))?\}")
 
 
 def _load(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """The sections of ``flags.yaml``; a row with a key the table does not know is an error naming it."""
+    """The sections of ``flags.yaml``; a row without flags (but an include), or with a key the table does not know,
+    is an error naming it."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where PyYAML has it: every command reads this
     with open(path, encoding="utf-8") as file:
         sections: dict[str, list[dict[str, Any]]] = yaml.load(file, Loader=loader)
     for name, rows in sections.items():
         for row in rows:
-            unknown = sorted(set(row) - ROW_KEYS - {"include"})
-            if unknown or not ("flags" in row or set(row) == {"include"}):
-                raise ValueError(f"flags.yaml {name}: row {row.get('flags') or row}: unknown key(s) "
-                                 f"{', '.join(unknown) or '(no flags)'}")
+            if "flags" not in row:
+                if set(row) != {"include"}:
+                    raise ValueError(f"flags.yaml {name}: row {row}: a row has flags, or is an include alone")
+                continue
+            unknown = sorted(set(row) - ROW_KEYS)
+            if unknown:
+                raise ValueError(f"flags.yaml {name}: row {row['flags']}: unknown key(s) {', '.join(unknown)}")
     return sections
 
 
