@@ -10,6 +10,8 @@ import pytest
 from megatron_serve.cli import parse_args
 from megatron_serve.commands.run import fleet_layout
 
+from tests.commands.helpers import run_refuses
+
 
 def test_data_parallel_size_is_replicas_alone_and_attention_ranks_with_expert_parallelism():
     assert fleet_layout(1, None, False) == (1, 1) and fleet_layout(3, None, True) == (3, 1)
@@ -34,10 +36,7 @@ def test_data_parallel_size_is_replicas_alone_and_attention_ranks_with_expert_pa
      "prefill/decode disaggregation is not implemented with data-parallel attention"),
 ])
 def test_run_refuses_a_data_parallel_layout_that_cannot_serve_by_name(tmp_path, argv, problem):
-    from megatron_serve.commands import run
-
-    with pytest.raises(ValueError, match=problem):
-        run.run(parse_args(["run", "--model", str(tmp_path), *argv]))
+    run_refuses(tmp_path, argv, problem)
 
 
 @pytest.mark.parametrize("command", [["run", "--model", "/m"], ["serve", "/m"]])

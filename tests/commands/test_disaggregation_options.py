@@ -11,6 +11,8 @@ from megatron_serve.cli import parse_args
 from megatron_serve.fleet.argv import disaggregated_roles, kv_role_argv, kv_transfer_config
 from megatron_serve.fleet.local_fleet import LocalFleet
 
+from tests.commands.helpers import run_refuses
+
 
 @pytest.mark.parametrize("argv, problem", [
     (["--prefill-engines", "1"], "--prefill-engines needs --decode-engines >= 1"),
@@ -22,10 +24,7 @@ from megatron_serve.fleet.local_fleet import LocalFleet
      "prefill/decode disaggregation is not implemented with data-parallel attention"),
 ])
 def test_run_refuses_a_layout_that_cannot_serve_by_name(tmp_path, argv, problem):
-    from megatron_serve.commands import run
-
-    with pytest.raises(ValueError, match=problem):
-        run.run(parse_args(["run", "--model", str(tmp_path), *argv]))
+    run_refuses(tmp_path, argv, problem)
 
 
 def test_run_counts_the_prefill_and_decode_engines_as_its_engines():
