@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import threading
 import time
-from typing import Callable
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -20,6 +22,9 @@ from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.security import make_secret
 
 from .coordinator.fakes import FakeEngine
+
+if TYPE_CHECKING:
+    from megatron_serve.client.coordinator_client import InferenceClient
 
 
 class InProcessFleet:
@@ -68,15 +73,26 @@ class InProcessFleet:
         self.thread = threading.Thread(target=self.coordinator.run, daemon=True)
         self.thread.start()
 
+    @contextlib.asynccontextmanager
+    async def connected(self, engines: int) -> AsyncIterator[InferenceClient]:
+        """A client of this fleet once ``engines`` engines have registered (20 s at most); closed after."""
+        from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415 - a quarter second
+
+        async with InferenceClient(self.address, token=self.token) as client:
+            await client.wait_for_engines(engines, timeout=20, poll=0.02)
+            yield client
+
     def stop_coordinator(self) -> None:
         self.coordinator.shutdown()
         self.thread.join(10)
 
     def add_engine(self, token: str | None = "<fleet>", group: int | None = None, heartbeat_interval: float = 1.0,
-                   fake: FakeEngine | None = None, **fake_kwargs) -> tuple[EngineProcess, FakeEngine, dict]:
+                   fake: FakeEngine | None = None, info: dict | None = None, **fake_kwargs
+                   ) -> tuple[EngineProcess, FakeEngine, dict]:
         fake = fake or FakeEngine(**fake_kwargs)
         proc = EngineProcess(fake, self.address, token=self.token if token == "<fleet>" else token, group=group,
-                             drain_timeout=5.0, coordinator_timeout=3.0, heartbeat_interval=heartbeat_interval)
+                             drain_timeout=5.0, coordinator_timeout=3.0, heartbeat_interval=heartbeat_interval,
+                             info=info)
         result: dict = {}
         thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
         thread.start()

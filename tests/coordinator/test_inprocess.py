@@ -33,8 +33,7 @@ async def test_requests_routed_to_both_engines_and_complete(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 2)
+    async with fleet.connected(2) as client:
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=5)
         ps = prompts(40)
         results = await asyncio.gather(*(client.add_request(p, params) for p in ps))
@@ -52,8 +51,7 @@ async def test_round_robin_alternates(fleet_factory):
     fleet = fleet_factory(routing="round_robin")
     fleet.add_engine()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 2)
+    async with fleet.connected(2) as client:
         await client.pause()  # queue everything, then release at once: dispatch order is the policy's
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=50)) for p in prompts(10)]
         await until(lambda: _queued(client, 10), 10, "10 queued")
@@ -71,8 +69,7 @@ async def test_lifecycle_state_machine(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(kv_blocks=16)
     fleet.add_engine(kv_blocks=32)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 2)
+    async with fleet.connected(2) as client:
         ack = await client.pause()
         assert ack["state"] == "PAUSED" and not ack["detail"]["noop"]
         assert len(ack["detail"]["engines"]) == 2
@@ -110,8 +107,7 @@ async def test_lifecycle_state_machine(fleet_factory):
 async def test_requests_held_while_paused_or_suspended(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         params = SamplingParams(num_tokens_to_generate=4)
         await client.pause()
         held = [client.add_request(p, params) for p in prompts(10)]
@@ -132,8 +128,7 @@ async def test_requests_held_while_paused_or_suspended(fleet_factory):
 async def test_running_requests_survive_suspend(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         ps = prompts(6)
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=60)) for p in ps]
         await until(lambda: _in_flight(client, 6), 10, "in flight")
@@ -151,8 +146,7 @@ async def _in_flight(client, n):
 async def test_new_engine_adopts_state_and_stopped_fleet_restarts(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         await client.suspend()
         fleet.add_engine()
         status = await wait_engines(client, 2)
@@ -188,8 +182,7 @@ async def _engine_count(client, n):
 async def test_streaming_abort_and_invalid_requests(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(step_delay=0.005)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         prompt = [5, 6, 7]
         items = [item async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=12))]
         partials, final = items[:-1], items[-1]
@@ -240,8 +233,7 @@ async def test_fleet_secret_required(fleet_factory):
 async def test_engine_silent_is_removed_and_work_moves(fleet_factory):
     fleet = fleet_factory(heartbeat_timeout=1.0)
     slow_proc, slow_fake, _ = fleet.add_engine(step_delay=0.02, max_requests=4)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         ps = prompts(8)
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=40), request_id=f"r{i}")
                    for i, p in enumerate(ps)]
@@ -304,8 +296,7 @@ async def test_a_pause_mode_is_refused_before_sending_to_a_coordinator_without_p
     monkeypatch.setattr(handshake, "PROTOCOL_VERSION", 2)  # a coordinator from before pause modes
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         with pytest.raises(ControlError, match="protocol 2, which has no pause modes") as info:
             await client.pause("abort")
         assert info.value.code == "unsupported" and (await client.status())["state"] == "RUNNING"
@@ -322,8 +313,7 @@ async def test_a_control_id_used_for_a_pause_is_refused_for_an_unpause_and_the_f
 
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address, fleet.token) as client:
-        await wait_engines(client, 1)
+    async with fleet.connected(1) as client:
         reused = uuid.uuid4()
         monkeypatch.setattr(client_module.uuid, "uuid4", lambda: reused)
         assert (await client.pause())["state"] == "PAUSED"

@@ -12,13 +12,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import msgspec
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
@@ -61,12 +59,7 @@ class LoraFake(FakeEngine):
 
 
 def add(fleet, fake: FakeEngine) -> FakeEngine:
-    proc = EngineProcess(fake, fleet.address, token=fleet.token, drain_timeout=5.0, coordinator_timeout=3.0)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
-    thread.start()
-    fleet.engines.append((proc, fake, thread, result))
-    return fake
+    return fleet.add_engine(fake=fake)[1]
 
 
 def served(status: dict) -> list[dict | None]:
@@ -76,8 +69,7 @@ def served(status: dict) -> list[dict | None]:
 async def test_load_is_verified_everywhere_first_and_unload_reaches_every_engine(fleet_factory):
     fleet = fleet_factory()
     first, second = add(fleet, LoraFake()), add(fleet, LoraFake())
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
+    async with fleet.connected(2) as client:
         ack = await client.load_lora_adapter("sql", "/adapters/sql")
         assert ack["state"] == "RUNNING" and ack["detail"]["lora_name"] == "sql" and not ack["detail"]["noop"]
         assert all(f["loras"] == {"sql": "/adapters/sql"} and "load_s" in f for f in ack["detail"]["engines"].values())
@@ -109,8 +101,7 @@ async def test_load_is_refused_while_stopped_and_by_an_engine_without_lora(fleet
     fleet = fleet_factory()
     add(fleet, LoraFake())
     add(fleet, FakeEngine())  # started without enable_lora
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
+    async with fleet.connected(2) as client:
         with pytest.raises(ControlError, match="need an engine started with enable_lora") as err:
             await client.load_lora_adapter("sql", "/adapters/sql")
         assert err.value.code == "lora_refused"
@@ -124,8 +115,7 @@ async def test_load_is_refused_while_stopped_and_by_an_engine_without_lora(fleet
 async def test_an_engine_that_joins_later_loads_the_adapters_the_fleet_loaded(fleet_factory):
     fleet = fleet_factory()
     first = add(fleet, LoraFake(loras={"boot": "/adapters/boot"}))
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         await client.load_lora_adapter("sql", "/adapters/sql")
         await client.load_lora_adapter("gone", "/adapters/gone")
         await client.unload_lora_adapter("gone")
@@ -140,8 +130,7 @@ async def test_an_engine_that_joins_later_loads_the_adapters_the_fleet_loaded(fl
 async def test_requests_go_to_the_engine_that_serves_their_adapter(fleet_factory):
     fleet = fleet_factory(routing="round_robin")  # left alone it would alternate between the two
     plain, holder = add(fleet, LoraFake()), add(fleet, LoraFake(loras={"sql": "/adapters/sql"}))
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
+    async with fleet.connected(2) as client:
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
         tuned = msgspec.structs.replace(params, lora_name="sql")
         results = [await client.add_request([1, 2, 3 + i], tuned) for i in range(4)]

@@ -6,14 +6,12 @@ leave) run against a real ``Coordinator`` and ``EngineProcess`` objects over soc
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
-from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes
 from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
 from megatron_serve.wire.protocol import Header
@@ -21,7 +19,6 @@ from megatron_serve.coordinator.routing import make_routing_policy
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .core_harness import CoreHarness
-from .fakes import FakeEngine
 from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,11 +66,18 @@ def test_longest_routed_chain_wins():
     assert policy.affinity_hits == 2
 
 
-def test_hashes_are_chained_and_the_last_token_is_not_matched():
+def routed_to_group_0() -> tuple[PrefixAffinity, SimpleNamespace, SimpleNamespace, list[int]]:
+    """A policy that has sent a 4-block prompt to group 0 (of groups 0 and 1, both idle); the policy, the two groups'
+    views and the prompt."""
     policy = PrefixAffinity()
     e0, e1 = engine(0), engine(1)
     prompt = seq(0, 4)
     policy.select(request(prompt), [e0])
+    return policy, e0, e1, prompt
+
+
+def test_hashes_are_chained_and_the_last_token_is_not_matched():
+    policy, e0, e1, prompt = routed_to_group_0()
     # Same blocks 1..3 after a different first block: no match at all (every hash covers the whole prefix).
     changed = [999] + prompt[1:]
     assert policy.match(e0.engine_id, block_hashes(changed, BS)) == 0
@@ -169,10 +173,7 @@ def test_a_host_tier_keeps_prefixes_routable_past_the_device_pool():
 
 
 def test_forget_drops_a_group_and_unknown_ids_are_fine():
-    policy = PrefixAffinity()
-    e0, e1 = engine(0), engine(1)
-    prompt = seq(0, 4)
-    policy.select(request(prompt), [e0])
+    policy, e0, e1, prompt = routed_to_group_0()
     policy.forget("never-seen")
     policy.forget(e0.engine_id)
     assert policy.history_size(e0.engine_id) == 0
@@ -237,20 +238,9 @@ def test_coordinator_forgets_after_a_refit_and_after_a_suspend_keeps_what_a_host
 # ----------------------------------------------------------------------------- coordinator + engine processes
 
 
-def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, FakeEngine]:
-    """Like ``fleet.add_engine`` with an engine that reports a block size and prefix caching."""
-    fake = FakeEngine(max_requests=8, block_size=block_size)
-    proc = EngineProcess(fake, fleet.address, token=fleet.token, drain_timeout=5.0, coordinator_timeout=3.0)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
-    thread.start()
-    fleet.engines.append((proc, fake, thread, result))
-    return proc, fake
-
-
 async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_leave(fleet_factory):
     fleet = fleet_factory(routing="prefix_affinity")
-    procs = [add_caching_engine(fleet)[0] for _ in range(2)]
+    procs = [fleet.add_engine(max_requests=8, block_size=BS)[0] for _ in range(2)]  # engines that cache prefixes
     policy = fleet.coordinator.core.dispatcher.policy
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
     shared = seq(50, 5)

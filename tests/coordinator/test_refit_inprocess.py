@@ -9,13 +9,11 @@ started from another model (a rolling replacement) is flagged, not synced.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import AsyncIterator
 
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
@@ -53,13 +51,7 @@ class RefitFake(FakeEngine):
 
 
 def add(fleet, fake: FakeEngine, model: str | None = None) -> FakeEngine:
-    proc = EngineProcess(fake, fleet.address, token=fleet.token, drain_timeout=5.0, coordinator_timeout=3.0,
-                         info={"model": model} if model else None)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
-    thread.start()
-    fleet.engines.append((proc, fake, thread, result))
-    return fake
+    return fleet.add_engine(fake=fake, info={"model": model} if model else None)[1]
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM
-from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import StreamPartial
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.wire.expert_routing import routing_from_wire, routing_to_wire
 from megatron_serve.wire.messages import ClientAbort, EngineStep, RoutingRows, RequestDelta, Submit
@@ -80,8 +80,7 @@ async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model
     hanging, release = hang_after(first, 8)  # the prompt's step, then seven decode steps
     fleet.add_engine(fake=first, heartbeat_interval=0.1)
     try:
-        async with InferenceClient(fleet.address, token=fleet.token) as client:
-            await client.wait_for_engines(1, timeout=20, poll=0.02)
+        async with fleet.connected(1) as client:
             streamed: list[int] = []
 
             async def consume():

@@ -87,8 +87,7 @@ async def _count_engines(client: InferenceClient, n: int) -> bool:
 async def test_slow_engine_is_kept(fleet_factory):
     fleet = fleet_factory(stall_timeout=2.0)
     fleet.add_engine(heartbeat_interval=HEARTBEAT, step_delay=1.0)  # each step takes half the stall timeout
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         ids = await engine_ids(client)
         prompt = [1, 2, 3]
         result = await asyncio.wait_for(client.add_request(prompt, SamplingParams(num_tokens_to_generate=4)), 30)
@@ -103,8 +102,7 @@ async def test_idle_engine_is_kept_and_its_clock_starts_with_work(fleet_factory)
     fleet = fleet_factory(stall_timeout=1.0)
     proc, _, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT, step_delay=0.05)
     republish(proc, lambda p: p.shell.steps)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         [engine_id] = await engine_ids(client)
 
         async def reports_progress() -> bool:
@@ -124,8 +122,7 @@ async def test_engine_without_progress_in_its_heartbeats_is_never_taken_for_stal
     proc, fake, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT)
     republish(proc, lambda p: None)  # an older engine
     hanging = hang_after(fake, 3)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         [engine_id] = await engine_ids(client)
         prompt = [2, 7, 1]
         future = client.add_request(prompt, SamplingParams(num_tokens_to_generate=10))

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from megatron_serve.client.coordinator_client import ControlError, InferenceClient
+from megatron_serve.client.coordinator_client import ControlError
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..helpers import until
@@ -23,8 +23,7 @@ LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=10_000, ignore_eos
 async def test_every_engine_says_what_it_holds_now_and_the_fleet_keeps_its_state(fleet_factory):
     fleet = fleet_factory()
     fakes = [add(fleet, FakeEngine(max_requests=2, step_delay=0.01)) for _ in range(2)]
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
+    async with fleet.connected(2) as client:
         flights = [asyncio.ensure_future(client.add_request([7, i, 3], LONG)) for i in range(5)]
         await until(lambda: sum(len(f.requests) for f in fakes) == 5, timeout=20, what="five requests on engines")
         await client.pause()  # engines hold them between two steps: what each holds stays put
@@ -56,7 +55,6 @@ async def test_every_engine_says_what_it_holds_now_and_the_fleet_keeps_its_state
 async def test_an_argument_it_does_not_take_is_refused_by_name_before_anything_is_sent(fleet_factory):
     fleet = fleet_factory()
     add(fleet, FakeEngine())
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         with pytest.raises(ValueError, match="level"):
             await client.control("status_detail", level=2)

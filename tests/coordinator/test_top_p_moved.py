@@ -10,7 +10,6 @@ import asyncio
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM
-from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.wire.request import EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
@@ -34,8 +33,7 @@ async def test_a_moved_request_keeps_the_kept_ids_its_first_engine_sent(fleet_fa
     hanging, release = hang_after(first, 8)
     fleet.add_engine(fake=first, heartbeat_interval=0.1)
     try:
-        async with InferenceClient(fleet.address, token=fleet.token) as client:
-            await client.wait_for_engines(1, timeout=20, poll=0.02)
+        async with fleet.connected(1) as client:
             task = client.add_request(PROMPT, PARAMS, request_id="moved")
             assert await asyncio.to_thread(hanging.wait, 30), "the first engine never reached its ninth step"
             fleet.add_engine(fake=DynamicInferenceEngine.from_model_dir(tiny_model, CONFIG), heartbeat_interval=0.1)

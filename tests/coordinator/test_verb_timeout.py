@@ -119,8 +119,7 @@ async def test_engines_that_ack_in_time_are_kept(fleet_factory):
     fleet = fleet_factory(verb_timeout=2.0)
     fleet.add_engine(step_delay=0.01)
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(2, timeout=20, poll=0.02)
+    async with fleet.connected(2) as client:
         ids = await engine_ids(client)
         prompts = [[1 + i, 2, 3] for i in range(6)]
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=40)) for p in prompts]
@@ -139,8 +138,7 @@ async def test_engines_that_ack_in_time_are_kept(fleet_factory):
 async def test_stop_deadline_includes_the_drain_time(fleet_factory):
     fleet = fleet_factory(verb_timeout=1.0)
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         future = client.add_request([7, 8, 9], SamplingParams(num_tokens_to_generate=100_000))
         await until(lambda: _in_flight(client, 1), 10, "in flight")
         started = time.monotonic()
@@ -162,8 +160,7 @@ async def test_steps_that_move_weights_get_the_weights_deadline(fleet_factory):
         resume()
 
     fake.resume = slow_resume
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    async with fleet.connected(1) as client:
         engines = await engine_ids(client)
         await client.suspend(timeout=10)
         ack = await client.resume(timeout=10)
