@@ -32,12 +32,19 @@ def delta(tokens: list[int], finished: bool = False, **fields) -> RequestDelta:
     return RequestDelta(request_id="c1/r", new_tokens=tokens, finished=finished, **fields)
 
 
-def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_them():
+def dispatched(**params) -> tuple[CoreHarness, str]:
+    """A core with client ``C`` and engine ``E1``, request ``r`` submitted (``params``: :func:`submit`'s) and sent
+    to ``E1``; the core and the engine's id."""
     h = CoreHarness()
     h.client(C)
     e1 = h.engine(E1, group=0)
-    submit(h, "r", tokens=3, stream=False)
+    submit(h, "r", **params)
     assert h.take(E1, Header.ENGINE_SUBMIT)
+    return h, e1
+
+
+def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_them():
+    h, e1 = dispatched(tokens=3, stream=False)
     send_step(h, e1, delta([5], new_log_probs=[-0.5], top_ids=[[5, 9]], top_log_probs=[[-0.5, -1.5]],
                            epochs=[[0], [0]], cached_tokens=0))
     send_step(h, e1, delta([6], epochs=[[0], [0]]))
@@ -52,11 +59,7 @@ def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_the
 
 
 def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_them():
-    h = CoreHarness()
-    h.client(C)
-    e1 = h.engine(E1, group=0)
-    submit(h, "r", tokens=8, stream=True)
-    h.take(E1, Header.ENGINE_SUBMIT)
+    h, e1 = dispatched(tokens=8, stream=True)
     rows = np.arange(8, dtype=np.uint8).reshape(4, 1, 2)
     scores = PromptScores(log_probs=[-1.0, -2.0])
     send_step(h, e1, delta([5], new_log_probs=[-0.5], epochs=[[3], [2]], cached_tokens=1, prompt_scores=scores,
@@ -93,11 +96,7 @@ def test_a_text_prompt_is_refused_with_an_error_naming_it_the_coordinator_tokeni
 
 
 def test_a_final_step_without_tokens_still_brings_the_prompt_scores():
-    h = CoreHarness()
-    h.client(C)
-    e1 = h.engine(E1, group=0)
-    submit(h, "r")
-    h.take(E1, Header.ENGINE_SUBMIT)
+    h, e1 = dispatched()
     scores = PromptScores(log_probs=[-1.0, -2.0])
     send_step(h, e1, delta([], finished=True, prompt_scores=scores), record=SLIM)
     tokens, result = h.take(C)

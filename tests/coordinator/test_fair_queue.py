@@ -84,30 +84,29 @@ def test_bands_are_strict_and_priority_orders_a_tenants_own_requests():
     assert dispatched(h) == ["c1", "t2", "t1", "s1", "s2"]
 
 
-def test_weights_one_to_three_get_generated_tokens_one_to_three():
+def generated(a: TenantTag | None, b: TenantTag | None, queued: int) -> Counter[str]:
+    """Tokens of requests ``a0``.. (tenant ``a``) and ``b0``.. (tenant ``b``), ``queued`` of each submitted in
+    turn, over 200 steps of one engine that runs 4 at a time: by the requests' first letter."""
     h = CoreHarness(dispatch_factor=1.0)
     h.client(C)
     engine = FakeEngine(h, E1, capacity=4)
-    for i in range(150):  # both tenants keep more queued than the engine runs: contention all along
-        submit(h, f"a{i}", A)
-        submit(h, f"b{i}", B)
+    for i in range(queued):
+        submit(h, f"a{i}", a)
+        submit(h, f"b{i}", b)
     tokens: Counter[str] = Counter()
     for _ in range(200):
         tokens.update(rid.split("/")[1][0] for rid in engine.step())
+    return tokens
+
+
+def test_weights_one_to_three_get_generated_tokens_one_to_three():
+    tokens = generated(A, B, 150)  # both tenants keep more queued than the engine runs: contention all along
     assert tokens["a"] + tokens["b"] == 800
     assert abs(tokens["b"] / tokens["a"] - 3.0) <= 0.3, tokens
 
 
 def test_control_without_tenants_the_queue_is_first_come_first_served():
-    h = CoreHarness(dispatch_factor=1.0)
-    h.client(C)
-    engine = FakeEngine(h, E1, capacity=4)
-    for i in range(60):
-        submit(h, f"a{i}", None)
-        submit(h, f"b{i}", None)
-    tokens: Counter[str] = Counter()
-    for _ in range(200):
-        tokens.update(rid.split("/")[1][0] for rid in engine.step())
+    tokens = generated(None, None, 60)
     assert tokens["a"] == tokens["b"] == 400  # arrival order alternates: equal, whatever weights would say
 
 

@@ -40,6 +40,14 @@ def ack_pause(h: CoreHarness, control_id: str = "p") -> ControlAck:
     return h.take(C, Header.CONTROL_ACK)[0]
 
 
+def paused() -> CoreHarness:
+    """:func:`fleet` paused by a PAUSE without a mode (``p``, acknowledged by the engine)."""
+    h, _, _ = fleet()
+    h.send(C, Header.PAUSE, Control(control_id="p"))
+    ack_pause(h)
+    return h
+
+
 def test_keep_is_what_a_pause_without_a_mode_does_and_holds_every_request():
     h, _, _ = fleet()
     h.send(C, Header.PAUSE, Control(control_id="p"))  # an older client: no mode field at all
@@ -87,9 +95,7 @@ def test_wait_pauses_in_place_what_still_runs_at_its_deadline_and_says_so():
 
 
 def test_wait_while_already_paused_has_nothing_to_wait_for():
-    h, _, _ = fleet()
-    h.send(C, Header.PAUSE, Control(control_id="p"))
-    ack_pause(h)
+    h = paused()
     h.send(C, Header.PAUSE, Pause(control_id="p2", mode="wait"))
     assert [b.control_id for b in h.take(E1, Header.PAUSE)] == ["p2#0"]  # at once: paused engines never finish
     ack = ack_pause(h, "p2")
@@ -120,9 +126,7 @@ def test_abort_ends_running_and_queued_requests_with_their_tokens_before_the_eng
 
 
 def test_abort_while_paused_ends_what_keep_held():
-    h, _, _ = fleet()
-    h.send(C, Header.PAUSE, Control(control_id="p"))
-    ack_pause(h)
+    h = paused()
     h.send(C, Header.PAUSE, Pause(control_id="p2", mode="abort"))
     assert [hd for hd, _ in headers(h, E1)] == [Header.ABORT, Header.ABORT, Header.PAUSE]
     assert ack_pause(h, "p2").detail["aborted"] == 3

@@ -64,6 +64,16 @@ def play(sched: Scheduler, tokens: dict[str, int] | int = 7) -> tuple[dict[str, 
     return {s.request_id: count for s, count in batch.entries}, outputs
 
 
+def started(*requests: EngineRequest, num_blocks: int = 64) -> Scheduler:
+    """A scheduler of ``num_blocks`` blocks that has admitted ``requests`` and played one step of them (:func:`play`:
+    each prompt computed, token 7 sampled)."""
+    sched = scheduler(num_blocks=num_blocks)
+    for each in requests:
+        sched.add_request(each)
+    play(sched)
+    return sched
+
+
 def test_add_queues_a_request_with_its_stop_ids_and_a_seed():
     sched = scheduler()
     first, second = request("a", 5), request("b", 5, seed=11, stop_token_ids=[3], ignore_eos=True)
@@ -99,10 +109,7 @@ def test_a_request_with_a_grammar_fails_on_a_scheduler_that_takes_none():
 
 
 def test_abort_frees_a_running_requests_blocks_and_an_unknown_id_is_none():
-    sched = scheduler(num_blocks=16)
-    sched.add_request(request("a", 9))
-    sched.add_request(request("b", 5))
-    play(sched)
+    sched = started(request("a", 9), request("b", 5), num_blocks=16)
     assert sched.allocator.num_free == 16 - 3 - 2
     aborted = sched.abort_request("a")
     assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
@@ -279,9 +286,7 @@ def _verify_step(sched: Scheduler, drafts: list[int]) -> InFlightStep:
 
 @pytest.mark.parametrize("accepted", [0, 3])
 def test_rejected_drafts_are_rolled_back_and_their_blocks_freed(accepted):
-    sched = scheduler(num_blocks=16)
-    sched.add_request(request("a", 3, num_tokens_to_generate=20))
-    play(sched, 7)
+    sched = started(request("a", 3, num_tokens_to_generate=20), num_blocks=16)
     drafts = [30, 31, 32, 33, 34, 35]
     step = _verify_step(sched, drafts)
     sequence = sched.running[0]
@@ -297,9 +302,7 @@ def test_rejected_drafts_are_rolled_back_and_their_blocks_freed(accepted):
 
 
 def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
-    sched = scheduler()
-    sched.add_request(request("a", 3, num_tokens_to_generate=20))
-    play(sched, 7)
+    sched = started(request("a", 3, num_tokens_to_generate=20))
     step = _verify_step(sched, [30, EOS, 32])
     sequence = sched.running[0]
     (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, [None] * 4, 3)])
@@ -325,10 +328,7 @@ def test_control_without_the_threshold_the_first_long_prompt_takes_the_budget():
 
 
 def test_take_unfinished_hands_requests_back_with_their_tokens_and_frees_everything():
-    sched = scheduler(num_blocks=16)
-    sched.add_request(request("a", 5))
-    sched.add_request(request("b", 5))
-    play(sched)
+    sched = started(request("a", 5), request("b", 5), num_blocks=16)
     sched.add_request(request("", []))  # a failed admission of a request handed back is dropped with it...
     taken = sched.take_unfinished()
     assert [s.request_id for s in taken] == ["a", "b"]
