@@ -4,7 +4,8 @@ test's own.
 
 A test's own nodes (:meth:`Fleet.gpu_pool`) are kwok nodes like the cluster's, tainted and labelled for the test's
 namespace: the layouts' pods go there and nowhere else, and no other test's pods take their GPUs, so a layout
-that fits is placed whatever runs beside it.
+that fits is placed whatever runs beside it. With ``kubelet=True`` they are nodes kwok does not play, kept Ready by
+:class:`.real_node.NodeLeases`, whose pods the test's kubelet stand-in (:mod:`.real_kubelet`) runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from megatron_operator import names
 
 from .real_cluster import Namespace
+from .real_node import NodeLeases, ready_status
 from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, clients, example, service_account_kubeconfig, until
 
 #: What marks a node as kwok's to play (tools/kube-cluster starts kwok with this annotation selector).
@@ -37,6 +39,8 @@ class Fleet:
         self.account = f"{self.release}-megatron-operator"
         self.operators: list[OperatorProcess] = []
         self.cluster_objects: list[str] = []  # kind/name of the cluster-scoped objects this test made
+        self.own_nodes: set[str] = set()  # the nodes whose pods the test's kubelet stand-in runs (not kwok)
+        self.leases: NodeLeases | None = None
 
     def install_chart_rbac(self) -> None:
         """The chart's ServiceAccount, Role and RoleBinding as ``helm template`` renders them for ``rbac.scope:
@@ -74,10 +78,11 @@ class Fleet:
         if ref:
             self.kubectl.run("create", "secret", "generic", ref["name"], f"--from-literal={ref['key']}=test-key")
 
-    def gpu_pool(self, count: int, gpus: int = 8, first: int = 0) -> dict[str, Any]:
+    def gpu_pool(self, count: int, gpus: int = 8, first: int = 0, kubelet: bool = False) -> dict[str, Any]:
         """``count`` kwok GPU nodes of this test's own, numbered from ``first`` (a later call adds nodes to the pool
         without touching those it has); returns what a resource's ``spec.engine`` needs to land there (a nodeSelector
-        and a toleration of the pool's taint)."""
+        and a toleration of the pool's taint). ``kubelet``: nodes without kwok's annotation, created Ready and kept
+        Ready by this fleet's Lease heartbeat, whose pods only the test's kubelet stand-in starts."""
         ns = self.kubectl.namespace
         nodes = []
         for i in range(first, first + count):
@@ -85,16 +90,21 @@ class Fleet:
             capacity = {"cpu": "224", "memory": "2Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
             nodes.append({
                 "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "annotations": {KWOK_ANNOTATION: "fake"},
+                "metadata": {"name": name, "annotations": {} if kubelet else {KWOK_ANNOTATION: "fake"},
                              "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                         "type": "kwok", POOL_LABEL: ns, "nvidia.com/gpu.product": GPU_PRODUCT,
                                         "nvidia.com/gpu.count": str(gpus),
                                         "topology.kubernetes.io/zone": f"zone-{'ab'[i % 2]}"}},
                 "spec": {"taints": [{"key": POOL_LABEL, "value": ns, "effect": "NoSchedule"}]},
-                "status": {"capacity": capacity, "allocatable": dict(capacity)},
+                "status": ready_status(capacity) if kubelet else {"capacity": capacity, "allocatable": dict(capacity)},
             })
             self.cluster_objects.append(f"node/{name}")
         self.kubectl.apply(nodes)
+        if kubelet:
+            self.leases = self.leases or NodeLeases(self.kubectl.kubeconfig)
+            for node in nodes:
+                self.leases.add(node["metadata"]["name"])
+                self.own_nodes.add(node["metadata"]["name"])
         until(lambda: all(any(c["type"] == "Ready" and c["status"] == "True"
                               for c in ((self.kubectl.get("node", n["metadata"]["name"]) or {}).get("status") or {})
                               .get("conditions", [])) for n in nodes), 60, "the pool's nodes Ready")
@@ -150,6 +160,8 @@ class Fleet:
         namespace's deletion would wait), and delete the cluster-scoped objects the test made."""
         for process in self.operators:
             process.stop()
+        if self.leases is not None:
+            self.leases.stop()
         for item in self.kubectl.get(MI):
             self.kubectl.run("patch", MI, item["metadata"]["name"], "--type=merge",
                              "-p", '{"metadata":{"finalizers":null}}', check=False)

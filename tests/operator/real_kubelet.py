@@ -1,18 +1,23 @@
 """The kubelet's part for one resource's engine pods on the real cluster, played by the test.
 
-The pods run under kwok, which runs nothing and marks a new pod Ready the moment it runs. :class:`Kubelet` does what a
-kubelet with the rendered pod would do: it starts an engine process (``--group`` of the pod) for each Running engine
+The pods run under kwok, which runs nothing and marks a new pod Ready the moment it runs, or on the test's own nodes
+that kwok does not play (``Fleet.gpu_pool(kubelet=True)``, :mod:`.real_node`). :class:`Kubelet` does what a kubelet
+with the rendered pod would do: it starts an engine process (``--group`` of the pod) for each Running engine
 pod, keeps the pod not Ready until that engine (by its pid) is registered with the coordinator and not draining (the
 engine pods' readiness probe's meaning), and sends the engine SIGTERM when its pod goes (the engine drains: it finishes
-or hands back its requests, which continue elsewhere from their tokens).
+or hands back its requests, which continue elsewhere from their tokens). On the test's own nodes it also does what
+kwok does elsewhere: it marks a pod bound there Running (not Ready), and deletes a pod that is going once its engine
+has exited (SIGKILL past the pod's grace period), which is what lets a StatefulSet make its replacement; nothing
+there marks a pod Ready before its engine serves.
 
 One thread (an asyncio loop) owns every decision: it lists the pods through the API, asks the coordinator's STATUS
 through the project's client, starts and stops engines and writes readiness. A second thread watches the pods only to
 turn kwok's instant Ready back to not Ready within a watch event's latency (the disruption controller and the
 operator count a Ready pod at once) and to wake the first; the two share a lock, so a pod the first made Ready is
-never turned back. A kubelet that has failed (its API calls failing for ``patience`` seconds, an engine that exited
-while its pod still runs, a thread that died) says so through :meth:`Kubelet.check`, which the tests' waits call: a
-wait then fails with that reason instead of waiting for a pod that nothing will make Ready.
+never turned back (on the test's own nodes nothing else makes a pod Ready). A kubelet that has failed (its API calls
+failing for ``patience`` seconds, an engine that exited while its pod still runs, a thread that died) says so through
+:meth:`Kubelet.check`, which the tests' waits call: a wait then fails with that reason instead of waiting for a pod
+that nothing will make Ready.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ class Kubelet:
         self.failure: str | None = None
         self.lock = threading.Lock()  # the watcher's not-Ready and the loop's Ready never cross
         self.made_ready: set[str] = set()  # pod uids this kubelet made Ready
+        #: (monotonic time, "ready" or "going", group, pod uid): when this kubelet made a pod Ready, and when it first
+        #: saw an engine pod going (evicted or deleted) and sent its engine SIGTERM
+        self.timeline: list[tuple[float, str, int, str]] = []
+        self.told_at: dict[str, float] = {}
+        self.addresses: dict[str, str] = {}  # pod uid -> its IP, for pods on the test's own nodes
         self.stopping = threading.Event()
         self.wake = threading.Event()
         self.threads = [threading.Thread(target=self._guarded, args=(self._loop,), name="kubelet", daemon=True),
@@ -90,6 +100,8 @@ class Kubelet:
         """Raise with the reason if this kubelet can no longer do its part."""
         if self.failure is not None:
             raise AssertionError(f"the kubelet stand-in failed: {self.failure}")
+        if self.fleet.leases is not None:
+            self.fleet.leases.check()
         dead = [t.name for t in self.threads if not t.is_alive()]
         if dead and not self.stopping.is_set():
             raise AssertionError(f"the kubelet stand-in's thread {dead} ended; {self.describe()}")
@@ -152,8 +164,15 @@ class Kubelet:
         status = await client.status(timeout=STATUS_TIMEOUT)
         serving = {int(e["info"]["pid"]): int(e["group"]) for e in status["engines"]
                    if e.get("state") != "DRAINING" and isinstance((e.get("info") or {}).get("pid"), int)}
+        own = self.fleet.own_nodes
         for pod in pods:
             uid = pod["metadata"]["uid"]
+            if (pod["spec"].get("nodeName") in own and (pod.get("status") or {}).get("phase") == "Pending"
+                    and "deletionTimestamp" not in pod["metadata"]):
+                count = len(self.addresses) + 1
+                ip = self.addresses.setdefault(uid, f"10.250.{count // 250}.{count % 250 + 1}")
+                await asyncio.to_thread(start_pod, self.api, pod, ip)
+                continue  # its engine starts on the next pass, once the listing says Running
             if not running(pod):
                 continue
             if uid not in self.engines:
@@ -170,13 +189,20 @@ class Kubelet:
                     if mine:
                         self.made_ready.add(uid)
                     await asyncio.to_thread(self._set_ready, pod, mine)
+                    if mine:
+                        self.timeline.append((time.monotonic(), "ready", group, uid))
         listed = {p["metadata"]["uid"]: p for p in pods}
-        for uid, (_, process) in self.engines.items():
+        for uid, (group, process) in self.engines.items():
             pod = listed.get(uid)
             if uid not in self.told and (pod is None or "deletionTimestamp" in pod["metadata"]):
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)  # the kubelet's SIGTERM: the engine drains
                 self.told.add(uid)
+                self.told_at[uid] = time.monotonic()
+                self.timeline.append((time.monotonic(), "going", group, uid))
+        for pod in pods:
+            if pod["spec"].get("nodeName") in own and "deletionTimestamp" in pod["metadata"]:
+                await asyncio.to_thread(self._finish, pod)
         self.pods = pods
         ours = {process.pid for uid, (_, process) in self.engines.items() if uid not in self.told}
         self.registered = {group for pid, group in serving.items() if pid in ours}
@@ -214,6 +240,45 @@ class Kubelet:
 
     def _set_ready(self, pod: dict[str, Any], ready: bool) -> None:
         set_ready(self.api, pod, ready)
+
+    def _finish(self, pod: dict[str, Any]) -> None:
+        """A going pod on the test's own nodes: deleted for good once its engine exited; its engine killed past the
+        pod's grace period, as a kubelet kills a container that outlives it."""
+        uid = pod["metadata"]["uid"]
+        engine = self.engines.get(uid)
+        if engine is not None and engine[1].poll() is None:
+            grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
+            if time.monotonic() - self.told_at.get(uid, time.monotonic()) > grace:
+                engine[1].kill()
+            return
+        try:
+            self.api.delete_namespaced_pod(pod["metadata"]["name"], pod["metadata"]["namespace"],
+                                           body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}},
+                                           _request_timeout=API_TIMEOUT)
+        except kubernetes.client.ApiException as exc:
+            if exc.status not in (404, 409):  # gone already, or a replacement of the same name
+                raise
+
+
+def start_pod(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ip: str) -> None:
+    """A pod bound to one of the test's own nodes, Running and not Ready: the status a kubelet writes once it started
+    the pod's containers (their readiness comes from the engine, :func:`set_ready`)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    conditions = [{"type": kind, "status": "True" if kind not in ("Ready", "ContainersReady") else "False",
+                   "lastTransitionTime": now}
+                  for kind in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")]
+    containers = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False, "started": True,
+                   "restartCount": 0, "state": {"running": {"startedAt": now}}} for c in pod["spec"]["containers"]]
+    body = {"metadata": {"uid": pod["metadata"]["uid"]},
+            "status": {"phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": ip,
+                       "podIPs": [{"ip": ip}], "startTime": now, "conditions": conditions,
+                       "containerStatuses": containers}}
+    try:
+        api.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], body,
+                                        _request_timeout=API_TIMEOUT)
+    except kubernetes.client.ApiException as exc:
+        if exc.status not in (404, 409):  # a pod gone (or replaced) meanwhile needs nothing
+            raise
 
 
 def set_ready(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ready: bool) -> None:
