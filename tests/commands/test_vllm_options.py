@@ -10,6 +10,7 @@ stopped ``serve`` with ``unrecognized arguments`` under the top-level usage.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from pathlib import Path
@@ -51,6 +52,18 @@ def test_every_row_parses_under_every_spelling():
             assert args.command == "run", row.name
             warned = accepted_warnings(args)
             assert (len(warned) == 1 and row.name in warned[0]) if row.status is Status.ACCEPTED else not warned
+
+
+def test_requests_are_not_logged_unless_asked():
+    """Off by default, as in vLLM: the table's ``--disable-log-requests`` shares the flag's ``dest`` with a default of
+    argparse's SUPPRESS, and read from the YAML as a string it was a default of its own, truthy, that turned request
+    logging (every prompt, two lines a request) on in every server."""
+    assert parse_args(["run", "--model", "/m"]).log_requests is False
+    assert parse_args(["serve", "/m"]).log_requests is False
+    assert parse_args(["run", "--model", "/m", "--enable-log-requests"]).log_requests is True
+    assert parse_args(["run", "--model", "/m", "--disable-log-requests"]).log_requests is False
+    suppressed = [row for row in VLLM_OPTIONS if row.spec is not None and row.spec.get("default") == argparse.SUPPRESS]
+    assert suppressed and all(row.spec["default"] is argparse.SUPPRESS for row in suppressed)
 
 
 def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):

@@ -209,6 +209,8 @@ def _row(data: dict[str, Any]) -> VllmOption:
     spec = data.get("spec")
     if spec is not None:
         spec = dict(spec)
+        if spec.get("default") == argparse.SUPPRESS:  # argparse knows its sentinel by identity, not by the string
+            spec["default"] = argparse.SUPPRESS
         if "type" in spec:
             spec["type"] = _positive_float(flag) if spec["type"] == "positive_float" else _TYPES[spec["type"]]
         if "action" in spec:
