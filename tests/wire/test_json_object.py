@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_serve.fleet.argv import kv_transfer_config
-from megatron_serve.wire.json_object import json_object
-from megatron_serve.wire.kv_events import parse_kv_events_config
+from megatron_serve.wire.kv_events import json_object, parse_kv_events_config
 
 
 def test_text_and_decoded_objects_are_read() -> None:

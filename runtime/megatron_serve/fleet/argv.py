@@ -4,7 +4,8 @@
 ``megatron-serve engine`` processes; this module is what they need to build those commands, so that
 the library never imports CLI code. :func:`inference_config_to_argv` is the inverse of
 :func:`megatron_serve.commands.engine_options.inference_config_from_args` (a test checks the round
-trip). Standard library only: the coordinator and ``control`` do not import torch.
+trip). Nothing heavy (the standard library, msgspec through ``wire.kv_events``): the coordinator and ``control``
+do not import torch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..wire.json_object import json_object
+from ..wire.kv_events import json_object
 
 if TYPE_CHECKING:  # importing config imports torch
     from ..config import InferenceConfig

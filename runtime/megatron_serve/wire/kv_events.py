@@ -26,8 +26,6 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from .json_object import json_object
-
 #: ``medium`` of a block in each tier (vLLM says ``GPU`` for the device pool and ``CPU`` for host memory).
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
@@ -116,6 +114,21 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def to_json(self) -> str:
         return json.dumps(msgspec.to_builtins(self), separators=(",", ":"))
+
+
+def json_object(value: Any, option: str) -> dict[str, Any]:
+    """vLLM's options whose value is a JSON object (``--kv-events-config`` here, the fleet's ``--kv-transfer-config``),
+    read one way: ``value`` (JSON text, or what it decoded to: a dict that crossed processes) as a dict; ``ValueError``
+    naming ``option`` when it is not JSON or not an object. Here, in the lowest of its readers, which imports nothing
+    of the project."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{option} must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {value!r}")
+    return value
 
 
 def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
