@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .wire.sampling_fields import MAX_TOP_N_LOGPROBS
+from .wire.sampling_fields import MAX_TOP_N_LOGPROBS, SUBSET_FILTERS
 from .wire.sampling_params import SamplingParams
 
 MiB = 1 << 20
@@ -78,15 +78,21 @@ PROMPT_CHARS_PER_CONTEXT_TOKEN = 32
 # * **log-prob entries**: per choice, each scored prompt position gives its token's log prob and the
 #   ``k`` likeliest alternatives, and so does each generated token when log probs are asked for
 #   (``k`` is one count for both, the larger one asked). Output tokens count at their maximum
-#   (``max_tokens``, or the rest of the context), since nothing shorter is promised;
-# * **answer bytes**: an estimate of the JSON answer, :data:`TOKEN_BYTES` per returned token and
+#   (``max_tokens``, or the rest of the context), since nothing shorter is promised. Kept ids
+#   (``return_top_p_token_ids``, slime's top-p replay) count here too, at their most: ``top_k`` per
+#   generated token, or the whole vocabulary without it (one for a greedy request, none without a filter
+#   that keeps a subset): top-p alone bounds nothing before the logits are seen;
+# * **answer bytes**: an estimate of the JSON answer, :data:`TOKEN_BYTES` per returned token,
 #   :data:`LOGPROB_ENTRY_BYTES` per entry (the shapes of both endpoints hold an entry in 30 to 80
-#   bytes: its id or text, its log prob, in vLLM's ``prompt_logprobs`` its rank and decoded text).
+#   bytes: its id or text, its log prob, in vLLM's ``prompt_logprobs`` its rank and decoded text) and
+#   :data:`KEPT_ID_BYTES` per kept id.
 
 #: Estimated JSON bytes of one log-prob entry in an answer.
 LOGPROB_ENTRY_BYTES = 64
 #: Estimated JSON bytes of one returned token's text (or id) in an answer.
 TOKEN_BYTES = 8
+#: Estimated JSON bytes of one kept id: SGLang's answer holds them as base64 int32 (5.3 bytes each).
+KEPT_ID_BYTES = 6
 #: Default most log-prob entries per request (``--max-request-logprobs``): a 32k-token prompt scored with
 #: ``prompt_logprobs=20`` (688k entries) fits; ``n=128`` such choices of a 1,000-token prompt (2.7 M) do not.
 DEFAULT_MAX_REQUEST_LOGPROBS = 1 << 20
@@ -96,38 +102,62 @@ DEFAULT_MAX_RESPONSE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Cost:
-    """What a request (or one of its engine requests) asks for: log-prob entries and estimated answer bytes."""
+    """What a request (or one of its engine requests) asks for: log-prob entries, kept ids (counted against the
+    log-prob budget too) and estimated answer bytes."""
 
     logprobs: int = 0
     answer_bytes: int = 0
+    kept_ids: int = 0
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(self.logprobs + other.logprobs, self.answer_bytes + other.answer_bytes)
+        return Cost(self.logprobs + other.logprobs, self.answer_bytes + other.answer_bytes,
+                    self.kept_ids + other.kept_ids)
 
 
-def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prompt: bool = False) -> Cost:
+def kept_ids_per_token(params: SamplingParams, vocab_size: int | None) -> int:
+    """The most ids ``return_top_p_token_ids`` reports for one generated token: one for a greedy request, none
+    without a filter that keeps a subset (the engine reports none then), ``top_k`` or the vocabulary otherwise
+    (``vocab_size`` None, unknown: ``top_k``'s bound alone, 0 without it)."""
+    if not params.return_top_p_token_ids:
+        return 0
+    if params.is_greedy:
+        return 1
+    if all(getattr(params, row.name) == row.default for row in SUBSET_FILTERS):
+        return 0
+    bounds = [bound for bound in (params.top_k, vocab_size) if bound]
+    return min(bounds, default=0)
+
+
+def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prompt: bool = False,
+                        vocab_size: int | None = None) -> Cost:
     """The cost of one engine request (one choice) of a ``prompt_len``-token prompt; ``returns_prompt``: the answer
-    repeats the prompt's tokens (``echo``, ``return_token_ids``)."""
+    repeats the prompt's tokens (``echo``, ``return_token_ids``); ``vocab_size``: the model's (bounds kept ids)."""
     k = params.top_n_logprobs
     entries = max(prompt_len - 1, 0) * (1 + k) if params.return_prompt_log_probs else 0  # the first has no context
     per_token = k + (1 if params.return_log_probs or k else 0)
     entries += params.num_tokens_to_generate * per_token
+    kept = params.num_tokens_to_generate * kept_ids_per_token(params, vocab_size)
     tokens = params.num_tokens_to_generate + (prompt_len if returns_prompt else 0)
-    return Cost(entries, tokens * TOKEN_BYTES + entries * LOGPROB_ENTRY_BYTES)
+    return Cost(entries, tokens * TOKEN_BYTES + entries * LOGPROB_ENTRY_BYTES + kept * KEPT_ID_BYTES, kept)
 
 
 def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None, *,
                 option: str = "--max-request-logprobs") -> str | None:
     """Why ``cost`` is over the budgets (a sentence naming the budget, the ``option`` that sets it and the
     request's figure), or None."""
+    if cost.kept_ids and cost.logprobs + cost.kept_ids > max_logprobs:  # in SGLang's words for its length limits
+        return (f"Requested top-p token ids and log probs exceed this server's budget of {max_logprobs:,} per request "
+                f"({option}). You requested up to {cost.logprobs + cost.kept_ids:,}: {cost.kept_ids:,} top-p token "
+                f"ids (top_k per new token, or the whole vocabulary without top_k) and {cost.logprobs:,} log probs. "
+                "Please set top_k, or reduce max_new_tokens or the number of choices.")
     if cost.logprobs > max_logprobs:
         return (f"the request asks for {cost.logprobs:,} log probs (choices x (prompt positions x (prompt_logprobs "
                 f"+ 1) + max_tokens x (logprobs + 1))); this server's budget is {max_logprobs:,} per request "
                 f"({option}): ask for fewer choices, log probs per token or tokens")
     if max_bytes is not None and cost.answer_bytes > max_bytes:
         return (f"the request's answer would be about {cost.answer_bytes:,} bytes ({TOKEN_BYTES} per token, "
-                f"{LOGPROB_ENTRY_BYTES} per log prob); this server's budget is {max_bytes:,} bytes per answer "
-                "(--max-response-bytes): ask for fewer choices, log probs or tokens")
+                f"{LOGPROB_ENTRY_BYTES} per log prob, {KEPT_ID_BYTES} per top-p token id); this server's budget is "
+                f"{max_bytes:,} bytes per answer (--max-response-bytes): ask for fewer choices, log probs or tokens")
     return None
 
 
@@ -206,7 +236,8 @@ class RequestLimits:
     max_request_logprobs: int = field(default=DEFAULT_MAX_REQUEST_LOGPROBS, metadata={
         "flag": "--max-request-logprobs",
         "help": "most log-prob entries one request may ask for: choices x (prompt positions x (prompt_logprobs + 1) "
-                "+ max_tokens x (logprobs + 1))"})
+                "+ max_tokens x (logprobs + 1)), with top-p token ids (SGLang's return_top_p_token_ids) at their most: "
+                "top_k per token, or the vocabulary"})
     max_response_bytes: int = field(default=DEFAULT_MAX_RESPONSE_BYTES, metadata={
         "flag": "--max-response-bytes",
         "help": "largest estimated answer of one request, in bytes (tokens and log probs of every choice)"})

@@ -11,8 +11,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from megatron_serve.engine.output import STEP_MESSAGE_SCORES, step_bodies, step_messages
+from megatron_serve.engine.output import step_bodies, step_messages
 from megatron_serve.engine.steps import StepOutput
+from megatron_serve.wire.frame_cuts import FRAME_ENTRIES
 from megatron_serve.wire.request import FinalRecord, RequestStatus
 from megatron_serve.wire.messages import TO_COORDINATOR, EngineStepOut, PromptScores, RequestDelta
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode
@@ -54,7 +55,7 @@ def test_a_step_of_large_kept_sets_is_cut_into_messages_that_fit_the_frame():
 def test_a_step_without_prompt_scores_is_one_message_and_a_lone_large_delta_is_not_split():
     plain = [RequestDelta(request_id=f"r{i}", new_tokens=[i], finished=False) for i in range(64)]
     assert step_messages(plain) == [plain]
-    large = scored("big", STEP_MESSAGE_SCORES)  # past the limit alone: a message of its own
+    large = scored("big", FRAME_ENTRIES)  # past the limit alone: a message of its own
     assert step_messages([large, plain[0]]) == [[large], [plain[0]]]
     assert step_messages([plain[0], large]) == [[plain[0]], [large]]
 

@@ -308,7 +308,8 @@ class EngineThread:
             except Exception as exc:
                 told.append((request_id, ValueError(f"cannot tokenize the prompt: {exc}")))
                 continue
-            over = over_budget(engine_request_cost(len(tokens), params), self.max_request_logprobs,
+            vocab = self.engine.model.config.vocab_size if params.return_top_p_token_ids else None
+            over = over_budget(engine_request_cost(len(tokens), params, vocab_size=vocab), self.max_request_logprobs,
                                option="max_request_logprobs")
             if over is not None:  # as a coordinator refuses it (vLLM raises ValueError for a request it cannot take)
                 told.append((request_id, ValueError(over)))

@@ -63,8 +63,8 @@ class RequestFlow:
             # Resubmission after a reconnect: the request is already ours. Send what the client missed.
             have = len(body.generated_tokens or ())
             missed = record.tokens_after(have)
-            if missed is not None:
-                self._out.send(identity, Header.STEP_TOKENS, catch_up(crid, missed, have))
+            for message in catch_up(crid, missed, have) if missed is not None else ():
+                self._out.send(identity, Header.STEP_TOKENS, message)
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
             return
@@ -83,7 +83,9 @@ class RequestFlow:
                                    params_wire=params_wire, stream=bool(body.stream),
                                    out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
-            over = over_budget(engine_request_cost(len(record.prompt_tokens), params), self.max_request_logprobs)
+            vocab = self._vocab_size() if params.return_top_p_token_ids else None
+            over = over_budget(engine_request_cost(len(record.prompt_tokens), params, vocab_size=vocab),
+                               self.max_request_logprobs)
             if over is not None:
                 raise ValueError(over)
             admit(record, body.placement, self._engines.values())  # its session, its engine if pinned
@@ -95,6 +97,11 @@ class RequestFlow:
         self.table.add(record, Phase.QUEUED, now)
         if record.exhausted():
             self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
+
+    def _vocab_size(self) -> int | None:
+        """The largest vocabulary the engines report (None before any did: kept ids are then bounded by top_k
+        alone)."""
+        return max((int(engine.info.get("vocab_size") or 0) for engine in self._engines.values()), default=0) or None
 
     def on_abort(self, client: ClientRecord, body: ClientAbort) -> None:
         record = self.table.get(f"{client.client_id}/{body.client_request_id}")

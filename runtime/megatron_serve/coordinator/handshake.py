@@ -241,9 +241,8 @@ class Handshake:
             if record is None:
                 continue
             tokens = record.tokens_after(0)
-            if tokens is not None:
-                self.outbox.send(identity, Header.STEP_TOKENS, catch_up(record.client_request_id, tokens, 0),
-                                 client.batches)
+            for message in catch_up(record.client_request_id, tokens, 0) if tokens is not None else ():
+                self.outbox.send(identity, Header.STEP_TOKENS, message, client.batches)
             if record.phase is Phase.FINISHED:
                 self.flow.deliver(record)
         # A verb that was in progress when the client lost its connection answers on the new one.

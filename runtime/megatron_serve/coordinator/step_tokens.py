@@ -4,7 +4,8 @@ The core mirrors each request's delta and files it here with the bytes the engin
 (:meth:`StepShares.add`); at the end of the step each client gets its requests' deltas as those bytes,
 spliced into one message beside their ids (``wire.deltas.StepTokens``): nothing built or encoded per
 request. A step whose share for one client would pass the frame limit goes as several such messages.
-A reconnected or resubmitting client's catch-up (:func:`catch_up`) is the same message with ``starts``.
+A reconnected or resubmitting client's catch-up (:func:`catch_up`) is the same message with ``starts``, cut between
+tokens by the rule that cuts an engine's step (:mod:`..wire.frame_cuts`) where its kept ids or scores are many.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 
 from ..wire.body import ClientId
 from ..wire.deltas import StepTokens, StepTokensOut, TokenDelta
+from ..wire.frame_cuts import delta_pieces
 from ..wire.protocol import MAX_MESSAGE_BYTES, Header
 from .effects import Send
 
@@ -97,6 +99,9 @@ def _cut(ids: list[ClientId], raws: list[msgspec.Raw]) -> list[bytes]:
     return frames
 
 
-def catch_up(client_request_id: ClientId, delta: TokenDelta, start: int) -> StepTokens:
-    """The ``STEP_TOKENS`` that brings a client the tokens of its request from generated token ``start`` on."""
-    return StepTokens(client_request_ids=[client_request_id], deltas=[delta], starts=[start])
+def catch_up(client_request_id: ClientId, delta: TokenDelta, start: int) -> list[StepTokens]:
+    """The ``STEP_TOKENS`` messages that bring a client the tokens of its request from generated token ``start`` on:
+    one, or one per piece of ``delta`` where its entries pass a message's (:func:`~..wire.frame_cuts.delta_pieces`),
+    each starting where its piece does."""
+    return [StepTokens(client_request_ids=[client_request_id], deltas=[piece], starts=[start + offset])
+            for offset, piece in delta_pieces(delta)]

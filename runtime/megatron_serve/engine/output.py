@@ -3,7 +3,7 @@
 The step thread builds one struct per request here and nothing else: no text, no stop strings
 (:mod:`megatron_serve.client.output_processor` makes those where the tokens are read), and the final
 record leaves out what the deltas already carried. The engine process sends a step's structs as
-one message (``ENGINE_STEP``), or several when prompt scores make it large (:func:`step_bodies`), with the
+one message (``ENGINE_STEP``), or several when prompt scores or kept ids make it large (:func:`step_bodies`), with the
 final records of the requests that finished beside the deltas, never inside them: the coordinator forwards
 both as these bytes (a delta to the client's ``STEP_TOKENS``, a record in ``RESULT``). The in-process client
 hands the same structs to its event loop.
@@ -16,44 +16,20 @@ from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
 from ..wire.deltas import EngineStepOut, RequestDelta, RoutingRows
+from ..wire.frame_cuts import FRAME_ENTRIES, delta_entries, runs
 from ..wire.request import FinalRecord
 
 if TYPE_CHECKING:
     from .steps import StepOutput
 
 
-#: Prompt-score entries (a log prob, or an alternative's id and log prob) and kept ids (``return_top_p_token_ids``:
-#: up to the vocabulary per token) one ``ENGINE_STEP`` message carries at most beside its other deltas, about 3 MB: a
-#: request's prompt scores all go with its first token, and several requests that finish their prefill in one step
-#: (or keep most of a large vocabulary) could together pass the 16 MiB frame, which is then not sent at all (every
-#: delta of the step lost). One request's prompt scores stay within the frame by the request budget
-#: (``--max-request-logprobs``).
-STEP_MESSAGE_SCORES = 1 << 18
-
-
-def _scores(delta: RequestDelta) -> int:
-    kept = sum(map(len, delta.top_p_token_ids)) if delta.top_p_token_ids is not None else 0
-    scores = delta.prompt_scores
-    if scores is None:
-        return kept
-    return kept + len(scores.log_probs) + sum(map(len, scores.top_ids or ()))
-
-
-def step_messages(deltas: list[RequestDelta], limit: int = STEP_MESSAGE_SCORES) -> list[list[RequestDelta]]:
+def step_messages(deltas: list[RequestDelta], limit: int = FRAME_ENTRIES) -> list[list[RequestDelta]]:
     """A step's deltas as the ``ENGINE_STEP`` messages that carry them, in order: one, unless prompt scores and kept
-    ids pass ``limit`` entries, then cut before the delta that would pass it."""
+    ids pass ``limit`` entries, then cut before the delta that would pass it (:func:`~..wire.frame_cuts.runs`, the
+    rule a catch-up is cut by too)."""
     if all(delta.prompt_scores is None and delta.top_p_token_ids is None for delta in deltas):
         return [deltas]
-    messages: list[list[RequestDelta]] = [[]]
-    held = 0
-    for delta in deltas:
-        weight = _scores(delta)
-        if messages[-1] and held + weight > limit:
-            messages.append([])
-            held = 0
-        messages[-1].append(delta)
-        held += weight
-    return messages
+    return [deltas[run.start:run.stop] for run in runs([delta_entries(delta) for delta in deltas], limit)]
 
 
 def step_delta(out: "StepOutput") -> RequestDelta:

@@ -63,4 +63,4 @@ class EngineReport:
                            weights_layout=layout_digest(model), dtype=str(model.dtype).removeprefix("torch."),
                            max_loras=config.max_loras if config.enable_lora else None,
                            max_lora_rank=config.max_lora_rank if config.enable_lora else None,
-                           logprobs_mode=config.logprobs_mode)
+                           logprobs_mode=config.logprobs_mode, vocab_size=model.config.vocab_size)

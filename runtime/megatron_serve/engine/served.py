@@ -54,6 +54,7 @@ class EngineFacts:
     max_loras: int | None = None  # adapters served at once, with LoRA on (None: off); the servers' lora_config
     max_lora_rank: int | None = None
     logprobs_mode: str | None = None  # --logprobs-mode: what its log probs are (the servers' server_info)
+    vocab_size: int | None = None  # the coordinator bounds a request's kept ids (return_top_p_token_ids) by it
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
@@ -61,7 +62,8 @@ class EngineFacts:
                                 "tensor_parallel_size": self.tensor_parallel_size}
         known = {"parameter_bytes": self.parameter_bytes, "kv_cache_bytes": self.kv_cache_bytes,
                  "max_sequence_length": self.max_sequence_length, "block_size": self.block_size,
-                 "weights_layout": self.weights_layout, "dtype": self.dtype, "logprobs_mode": self.logprobs_mode}
+                 "weights_layout": self.weights_layout, "dtype": self.dtype, "logprobs_mode": self.logprobs_mode,
+                 "vocab_size": self.vocab_size}
         info.update((name, value) for name, value in known.items() if value is not None)
         if self.expert_parallel:
             info["expert_parallel"] = True

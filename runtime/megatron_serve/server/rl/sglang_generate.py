@@ -30,6 +30,7 @@ from ...client.outputs import StreamPartial
 from ...wire.request import DynamicInferenceRequest, FinishReason
 from ..chunks import event
 from ..errors import bad_request
+from ..intake import check_budget
 from ..streaming import stream_answer
 from .sampling_bodies import completions_names, sampling_body
 from .tokens import WeightVersionSpan, read_anchor, routed_experts_int32, version_spans, weight_version
@@ -420,6 +421,7 @@ async def answer(ctx: ServerContext, body: SglangGenerateRequest, handler: Compl
     if kept_ids_asked(body):
         for job in handler.jobs:
             job.params = msgspec.structs.replace(job.params, return_top_p_token_ids=True)
+        check_budget(handler.jobs, ctx.limits, vocab_size=ctx.vocab_size)  # the kept ids counted, before any work
     ctx.request_log.received(handler)
     if body.stream:
         return await stream_answer(ctx.submit(handler.jobs, handler.id), _CumulativeEvents(shape), handler.id)
