@@ -8,7 +8,6 @@ import importlib.util
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import zmq
 from filelock import FileLock
 
+from megatron_serve.fleet import local_fleet
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, Message, decode, encode
 from megatron_serve.wire.security import TOKEN_ENV, FleetSecret, PeerKeys, make_secret
@@ -93,9 +93,8 @@ def written_once(directory: Path, write: Callable[[Path], Any]) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on the loopback now (nothing listens on it: a closed port too)."""
+    return local_fleet.free_port("127.0.0.1")
 
 
 @contextlib.contextmanager
@@ -248,17 +247,18 @@ class Children:
 
 
 @contextlib.contextmanager
-def process_fleet(log_dir: Path, model: str, engines: list[tuple[str, ...]]) -> Iterator[SimpleNamespace]:
-    """A coordinator of ``model`` and one engine per entry of ``engines`` (its extra flags), each a process of its own,
-    all killed at exit: ``address``, ``port``, ``model``, ``children`` (their :class:`Children`, holding the fleet
-    secret) and ``engines`` (the engines' processes)."""
+def process_fleet(log_dir: Path, model: str, engines: list[tuple[str, ...]], coordinator: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None) -> Iterator[SimpleNamespace]:
+    """A coordinator of ``model`` (``coordinator``: its extra flags) and one engine per entry of ``engines`` (its extra
+    flags), each a process of its own with ``env``, all killed at exit: ``address``, ``port``, ``model``, ``children``
+    (their :class:`Children`, holding the fleet secret), ``coordinator`` and ``engines`` (the processes)."""
     children = Children(log_dir)
     port = free_port()
-    children.coordinator(model, port)
-    procs = [children.engine(model, port, *extra) for extra in engines]
     try:
+        coordinator_process = children.coordinator(model, port, *coordinator, env=env)
+        procs = [children.engine(model, port, *extra, env=env) for extra in engines]
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, model=model, children=children,
-                              engines=procs)
+                              coordinator=coordinator_process, engines=procs)
     finally:
         children.kill_all()
 

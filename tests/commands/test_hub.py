@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from megatron_serve.commands.model_options import resolve_model_args
 from megatron_serve.hub import HubId, ModelNotFoundError, parse_hub_id, resolve_model
 from megatron_serve.server.modelinfo import default_model_name
+from tests.helpers import free_port
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -41,12 +41,6 @@ def hub_cache(root: Path, repo_id: str, model_dir: str | None, commit: str = COM
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snapshot
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cli(*argv: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -120,7 +114,7 @@ def test_a_model_that_cannot_be_had_fails_with_one_line_that_says_how_to_get_it(
     if network == "offline":
         env["HF_HUB_OFFLINE"] = "1"
     else:
-        env["HF_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}"
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     for argv in (["run", "--model", "org/absent"], ["download", "org/absent"]):
         done = cli(*argv, env=env, timeout=120)
         assert done.returncode == 1

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,7 +23,7 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import make_secret
 
-from ..helpers import Children, Recorder, free_port, until
+from ..helpers import Recorder, process_fleet, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -57,16 +56,9 @@ def direct_text(direct_results):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("fault-logs"))
-    port = free_port()
-    state = SimpleNamespace(port=port, address=f"tcp://127.0.0.1:{port}", model=tiny_model, children=children,
-                            coordinator=children.coordinator(tiny_model, port, "--heartbeat-timeout", "5",
-                                                             env=TOKEN_ENV),
-                            engines=[children.engine(tiny_model, port, *ENGINE_ARGS, env=TOKEN_ENV) for _ in range(2)])
-    try:
+    with process_fleet(tmp_path_factory.mktemp("fault-logs"), tiny_model, [ENGINE_ARGS] * 2,
+                       ("--heartbeat-timeout", "5"), TOKEN_ENV) as state:
         yield state
-    finally:
-        children.kill_all()
 
 
 @pytest.fixture

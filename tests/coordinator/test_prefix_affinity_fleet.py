@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -30,7 +29,7 @@ from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import process_fleet
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -51,15 +50,9 @@ def prompt(family: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, tmp_path_factory):
-    children = Children(tmp_path_factory.mktemp("prefix-affinity-logs"))
-    port = free_port()
-    state = SimpleNamespace(port=port, address=f"tcp://127.0.0.1:{port}", model=tiny_model, children=children,
-                            coordinator=children.coordinator(tiny_model, port, "--routing", "prefix_affinity"),
-                            engines=[children.engine(tiny_model, port, *ENGINE_ARGS) for _ in range(3)])
-    try:
+    with process_fleet(tmp_path_factory.mktemp("prefix-affinity-logs"), tiny_model, [ENGINE_ARGS] * 3,
+                       ("--routing", "prefix_affinity")) as state:
         yield state
-    finally:
-        children.kill_all()
 
 
 async def connect(fleet) -> InferenceClient:
