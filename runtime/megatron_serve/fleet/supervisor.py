@@ -319,6 +319,20 @@ def end_process_group(proc: subprocess.Popen | None, timeout: float = 30.0) -> N
         logger.error("process group %d still runs %.0fs after SIGKILL", proc.pid, timeout)
 
 
+def stop_process_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, timeout: float = 60.0) -> None:
+    """Stop ``proc``'s process group (a child started in a session of its own) as a user does: ``first`` to the group
+    (a terminal's Ctrl-C, or a pod's stop), ``timeout`` seconds to exit, then SIGKILL to the group. Nothing to do if
+    it already exited. What the tests and the benchmarks stop the ``megatron-serve`` commands they start with."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, first)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def group_running(pgid: int) -> bool:
     """Whether a process of group ``pgid`` runs (zombies, awaiting their reaping by init, do not count)."""
     proc = Path("/proc")
