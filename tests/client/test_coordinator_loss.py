@@ -10,7 +10,9 @@ byte and no error for 90 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -27,15 +29,20 @@ PROMPTS = [[1 + i, 2, 3 + i] for i in range(6)]
 LONG = SamplingParams(num_tokens_to_generate=400)
 
 
-async def client_with_work_in_flight(fleet, grace: float) -> tuple[InferenceClient, list[asyncio.Task],
-                                                                    list[list[int]], asyncio.Future]:
-    """A client (0.5 s coordinator timeout) of a one-engine fleet with 6 streams under way and one whole request."""
+@contextlib.asynccontextmanager
+async def work_in_flight(fleet, grace: float) -> AsyncIterator[tuple[InferenceClient, list[asyncio.Task],
+                                                                     list[list[int]], asyncio.Future]]:
+    """A client (0.5 s coordinator timeout) of a one-engine fleet with 6 streams under way and one whole request;
+    the client closed after."""
     fleet.add_engine(step_delay=0.01)
     client = InferenceClient(fleet.address, fleet.token, coordinator_timeout=0.5, coordinator_grace=grace)
-    await client.start()
-    await client.wait_for_engines(1, timeout=20, poll=0.02)
-    tasks, streamed = await start_streams(client)
-    return client, tasks, streamed, client.add_request([7, 7, 7], LONG)
+    try:
+        await client.start()
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        tasks, streamed = await start_streams(client)
+        yield client, tasks, streamed, client.add_request([7, 7, 7], LONG)
+    finally:
+        client.close()
 
 
 async def start_streams(client: InferenceClient) -> tuple[list[asyncio.Task], list[list[int]]]:
@@ -48,8 +55,7 @@ async def start_streams(client: InferenceClient) -> tuple[list[asyncio.Task], li
 
 async def test_a_coordinator_back_within_the_grace_period_gets_every_request_again(fleet_factory):
     fleet = fleet_factory()
-    client, tasks, streamed, whole = await client_with_work_in_flight(fleet, grace=20.0)
-    try:
+    async with work_in_flight(fleet, grace=20.0) as (client, tasks, streamed, whole):
         fleet.stop_coordinator()
         await until(lambda: client._connection.lost_since is not None, 10, "the client to find it lost")
         fleet.start_coordinator()
@@ -58,14 +64,11 @@ async def test_a_coordinator_back_within_the_grace_period_gets_every_request_aga
             assert result.status is RequestStatus.COMPLETED
             assert result.generated_tokens == expected_tokens(prompt, 400) == tokens  # each token once
         assert (await asyncio.wait_for(whole, 60)).generated_tokens == expected_tokens([7, 7, 7], 400)
-    finally:
-        client.close()
 
 
 async def test_a_coordinator_gone_past_the_grace_period_ends_what_is_in_flight_with_its_cause(fleet_factory):
     fleet = fleet_factory()
-    client, tasks, _, whole = await client_with_work_in_flight(fleet, grace=1.0)
-    try:
+    async with work_in_flight(fleet, grace=1.0) as (client, tasks, _, whole):
         fleet.stop_coordinator()
         began = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks, whole, return_exceptions=True), 30)
@@ -81,5 +84,3 @@ async def test_a_coordinator_gone_past_the_grace_period_ends_what_is_in_flight_w
         await client.wait_for_engines(1, timeout=30, poll=0.05)  # a coordinator answers: work is taken again
         again = await asyncio.wait_for(client.add_request([1, 2], SamplingParams(num_tokens_to_generate=3)), 30)
         assert again.generated_tokens == expected_tokens([1, 2], 3)
-    finally:
-        client.close()

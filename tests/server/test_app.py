@@ -292,13 +292,22 @@ async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer
         backend.token_delay = 0.02  # mid-stream: leave after two chunks
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
                 "max_completion_tokens": 40}
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            await read_events(response, 2)
-        await async_wait_until(lambda: len(backend.aborted) == 3 and not backend.running, 10, "stream aborted")
-        metrics = (await http.get("/metrics")).text
-        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 3
+        metrics = await left_mid_stream(http, backend, "/v1/chat/completions", body, events=2, aborted=3)
         assert metric(metrics, "megatron_serve_num_requests_running", f'engine_group="0",model_name="{MODEL}"') == 0
+
+
+async def left_mid_stream(http: httpx.AsyncClient, backend: FakeBackend, path: str, body: dict, *, events: int,
+                          aborted: int) -> str:
+    """A streamed request to ``path`` left after ``events`` events: waits until the backend has aborted ``aborted``
+    requests in all and runs none, checks that ``/metrics`` counts them aborted, and returns ``/metrics``."""
+    async with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        await read_events(response, events)
+    await async_wait_until(lambda: len(backend.aborted) == aborted and not backend.running, 10,
+                           f"{aborted} requests aborted")
+    metrics = (await http.get("/metrics")).text
+    assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == aborted
+    return metrics
 
 
 async def read_events(response: httpx.Response, count: int) -> None:
@@ -371,12 +380,7 @@ async def test_error_before_the_first_event_of_a_stream_is_an_http_error(tokeniz
 async def test_client_leaving_a_stream_aborts_every_choice(tokenizer, backend, path):
     backend.token_delay = 0.02
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
-        async with http.stream("POST", path, json=stream_body(path, n=2, max_tokens=40)) as response:
-            assert response.status_code == 200
-            await read_events(response, 3)
-        await async_wait_until(lambda: len(backend.aborted) == 2 and not backend.running, 10, "both choices aborted")
-        metrics = (await http.get("/metrics")).text
-        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 2
+        metrics = await left_mid_stream(http, backend, path, stream_body(path, n=2, max_tokens=40), events=3, aborted=2)
         assert metric(metrics, "megatron_serve_server_pending_requests") == 0
 
 

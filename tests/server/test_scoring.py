@@ -13,15 +13,13 @@ keys, masked), so there too only the batch-invariant mode promises every bit.
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import openai
 import pytest
 import torch
 
 from megatron_serve import InferenceConfig
 
+from ..helpers import until
 from .conftest import surface
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,11 +80,7 @@ async def test_scoring_and_the_runtime_check_are_bitwise_in_float32_in_the_batch
                        verify_logprobs_fraction=1.0) as (client, http):
         _, reported, by_echo, by_prompt_logprobs = await generate_then_score(client, tokenizer.encode(PROMPT))
         assert reported == by_echo == by_prompt_logprobs
-        deadline = time.monotonic() + 60
-        while await metric_sum(http, "megatron_serve_logprob_parity_checked_total") < 1:
-            assert time.monotonic() < deadline, "the engine did not check the request"
-            await asyncio.sleep(0.05)
-        assert await metric_sum(http, "megatron_serve_logprob_parity_mismatch_total") == 0
+        await checked_without_mismatch(http, 1)
 
 
 async def test_max_tokens_zero_is_a_scoring_request_only(tiny_model, tokenizer):
@@ -104,15 +98,22 @@ async def metric_sum(http, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+async def checked_without_mismatch(http, count: int) -> float:
+    """Waits until the engine's runtime check has taken ``count`` requests or more (each check runs after its
+    answer was sent), asserts that none differed, and returns how many it checked."""
+    async def checked() -> float:
+        done = await metric_sum(http, "megatron_serve_logprob_parity_checked_total")
+        return done if done >= count else 0
+
+    checked_count = await until(checked, 60, f"the engine to check {count} request(s)", interval=0.05)
+    assert await metric_sum(http, "megatron_serve_logprob_parity_mismatch_total") == 0
+    return checked_count
+
+
 async def test_verify_logprobs_fraction_checks_every_request_and_counts_on_metrics(tiny_model, tokenizer):
     async with surface(tiny_model, tokenizer, dtype="bfloat16", verify_logprobs_fraction=1.0) as (client, http):
         for seed in range(3):  # one at a time; each check runs after its answer was sent
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed,
                                             logprobs=0, extra_body={"ignore_eos": True})
         await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)  # no log probs: nothing to check
-        deadline = time.monotonic() + 60
-        while await metric_sum(http, "megatron_serve_logprob_parity_checked_total") < 3:
-            assert time.monotonic() < deadline, "the engine did not check the requests"
-            await asyncio.sleep(0.05)
-        assert await metric_sum(http, "megatron_serve_logprob_parity_checked_total") == 3
-        assert await metric_sum(http, "megatron_serve_logprob_parity_mismatch_total") == 0
+        assert await checked_without_mismatch(http, 3) == 3
