@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +26,27 @@ ENV_POD_LABELS = "MEGATRON_OPERATOR_POD_LABELS"
 ENV_SCANNING = "MEGATRON_OPERATOR_SCANNING"
 ENV_LEADER_WORKER_SET = "MEGATRON_OPERATOR_LEADER_WORKER_SET"
 ENV_PEERING_LIFETIME = "MEGATRON_OPERATOR_PEERING_LIFETIME"
+ENV_PEERING_PRIORITY = "MEGATRON_OPERATOR_PEERING_PRIORITY"
+#: Above every ``oldest-first`` priority (microseconds since 1970 stay below it for 285 years), and an integer that
+#: JSON readers of the peering object keep exactly.
+PRIORITY_CEILING = 2**53
+
+
+def peering_priority(env: Mapping[str, str]) -> int | None:
+    """kopf's peering priority from ``$MEGATRON_OPERATOR_PEERING_PRIORITY``: an integer, or ``oldest-first``, which
+    ranks this process by its start (the earlier, the higher). kopf pauses every peer of equal priority, so the
+    replicas of one Deployment, which share their arguments, need priorities of their own; ranking by start keeps
+    the acting replica acting when a standby restarts or a rollout adds a newer one. ``None`` when unset (kopf's
+    ``--priority``, default 0)."""
+    raw = (env.get(ENV_PEERING_PRIORITY) or "").strip()
+    if not raw:
+        return None
+    if raw == "oldest-first":
+        return PRIORITY_CEILING - time.time_ns() // 1000
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PEERING_PRIORITY}: expected an integer or oldest-first, got {raw!r}") from None
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -80,6 +102,7 @@ class OperatorConfig:
     # kopf peering (an operator run without --standalone): how long a peer's last keep-alive counts, so how soon a
     # paused replica takes over from one that died without saying goodbye (kopf's default, 60 s)
     peering_lifetime: float = 60.0
+    peering_priority: int | None = None  # see peering_priority()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -107,6 +130,7 @@ class OperatorConfig:
             scanning=(env.get(ENV_SCANNING, "true").strip().lower() not in ("0", "false", "no", "off")),
             leader_worker_set=lws_mode == "auto",
             peering_lifetime=_float(env, ENV_PEERING_LIFETIME, 60.0),
+            peering_priority=peering_priority(env),
             **kwargs,
         )
 

@@ -57,6 +57,13 @@ PERMISSIONS: list[tuple[str, str, tuple[str, ...]]] = [
 
 CLUSTER_ONLY = {"customresourcedefinitions"}
 
+# kopf's peering (the chart's peering.enabled: two or more replicas, one acting): the keep-alives of an operator of
+# every namespace go into a ClusterKopfPeering, those of a namespaced one into a KopfPeering in each namespace it serves
+PEERING_PERMISSIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "cluster": ("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch")),
+    "namespace": ("kopf.dev", "kopfpeerings", ("list", "watch", "patch")),
+}
+
 
 class KubeError(RuntimeError):
     def __init__(self, status: int, message: str):

@@ -16,7 +16,7 @@ import yaml
 
 from .helpers import ROOT
 
-from megatron_operator.kube import PERMISSIONS
+from megatron_operator.kube import PEERING_PERMISSIONS, PERMISSIONS
 
 CHART = ROOT / "charts" / "megatron-operator"
 K8S_VERSION = "1.33"
@@ -154,6 +154,43 @@ def test_chart_renders_with_non_default_values(helm):
     assert env["MEGATRON_OPERATOR_RECONCILE_INTERVAL"]["value"] == "5" and env["EXTRA"]["value"] == "1"
     assert deploy["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
     assert "team-a,team-b" in notes
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_chart_renders_peered_replicas(helm, scope: str):
+    """``replicaCount: 2`` with ``peering.enabled``: kopf's peering instead of ``--standalone``, the peering object
+    of the scope (a ClusterKopfPeering for every namespace, else a KopfPeering per served one), the rule kopf's
+    keep-alives need on it, each replica named by its pod and ranked by its start."""
+    objects, _ = render_chart(helm, {"replicaCount": 2, "rbac": {"scope": scope}, "watchNamespaces": ["team-a"],
+                                     "peering": {"enabled": True, "lifetimeSeconds": 10}})
+    validate_all([o for o in objects if o["apiVersion"] != "kopf.dev/v1"])  # kopf's kinds: its CRDs in crds/
+    group, resource, verbs = PEERING_PERMISSIONS[scope]
+    kind = {"cluster": "ClusterKopfPeering", "namespace": "KopfPeering"}[scope]
+    (peering,) = [o for o in objects if o["kind"] == kind]
+    assert peering["metadata"]["name"] == "megatron-megatron-operator"
+    assert peering["metadata"].get("namespace") == (None if scope == "cluster" else "team-a")
+    role = "ClusterRole" if scope == "cluster" else "Role"
+    assert rules_of(objects, role) == [permissions(scope == "cluster") | {(group, resource, v) for v in verbs}]
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert container["args"][:2] == ["operator", "--peering=megatron-megatron-operator"]
+    assert "--standalone" not in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["MEGATRON_OPERATOR_PEERING_PRIORITY"]["value"] == "oldest-first"
+    assert env["MEGATRON_OPERATOR_PEERING_LIFETIME"]["value"] == "10"
+
+
+def test_chart_refuses_replicas_without_peering(helm):
+    """The control: two ``--standalone`` replicas would both act on every resource; the chart refuses, naming the
+    values to set."""
+    with pytest.raises(Exception, match="replicaCount: 2 .*peering.enabled=true"):
+        render_chart(helm, {"replicaCount": 2})
+    objects, _ = render_chart(helm, {})
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert not [o for o in objects if o["apiVersion"] == "kopf.dev/v1"]
 
 
 def test_chart_without_rbac_or_service_account(helm):

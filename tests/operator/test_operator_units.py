@@ -164,6 +164,20 @@ def test_config_from_env():
         OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_LIFETIME": "0"})
 
 
+def test_peering_priority_is_an_integer_or_ranks_by_start(monkeypatch: pytest.MonkeyPatch):
+    from megatron_operator import config
+
+    assert OperatorConfig.from_env({}).peering_priority is None  # kopf's --priority then
+    assert OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_PRIORITY": "-5"}).peering_priority == -5
+    ranks = []
+    for started in (1_700_000_000_000_000_000, 1_700_000_000_000_001_000):  # a replica, then one a microsecond later
+        monkeypatch.setattr(config.time, "time_ns", lambda: started)
+        ranks.append(OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_PRIORITY": "oldest-first"}).peering_priority)
+    assert ranks[0] - 1 == ranks[1] > 0  # the older outranks the newer
+    with pytest.raises(ValueError, match="MEGATRON_OPERATOR_PEERING_PRIORITY: expected an integer or oldest-first"):
+        OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_PRIORITY": "first"})
+
+
 class _Link:
     def __init__(self, reply: dict[str, Any]):
         self.reply = reply

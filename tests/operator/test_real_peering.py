@@ -2,8 +2,8 @@
 first is killed; the control runs both ``--standalone`` and both act.
 
 What is real: the API server, kopf's peering through a ``KopfPeering`` object (its CRD, ``kopfpeerings.kopf.dev``,
-installed by the test: kopf does not install it, and the chart, which runs one ``--standalone`` replica, does not
-ship it), both operators as processes holding the chart's ServiceAccount token (the chart's Role, plus the rule
+the chart's ``crds/`` copy, applied by the test: kopf does not install it; the chart's own peering mode, with
+``replicaCount`` and ``peering.enabled``, is tested in test_real_chart_peering.py), both operators as processes holding the chart's ServiceAccount token (the chart's Role, plus the rule
 kopf's peering needs on ``kopfpeerings``), the StatefulSet controller and the scheduler placing the engine pods on
 kwok's nodes.
 
@@ -19,7 +19,6 @@ pod's name would give). A peer killed with SIGKILL never says goodbye: the other
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -27,7 +26,7 @@ import pytest
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet, placement_problems  # noqa: F401 - the fixture
-from .real_tools import MI, OperatorProcess, example, service_account_kubeconfig, until
+from .real_tools import CHART, MI, OperatorProcess, example, service_account_kubeconfig, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -35,16 +34,7 @@ NAME = "llama-1b"
 PEERING = "megatron-operator"
 LIFETIME = 10
 
-PEERING_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "kopfpeerings.kopf.dev"},
-    "spec": {"group": "kopf.dev", "scope": "Namespaced",
-             "names": {"kind": "KopfPeering", "plural": "kopfpeerings", "singular": "kopfpeering"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object",
-                 # kopf keeps each peer's keep-alive under status, keyed by its identity
-                 "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}]},
-}
+PEERING_CRD = CHART / "crds" / "kopf.dev_kopfpeerings.yaml"
 
 
 def _image(operator: str) -> str:
@@ -92,7 +82,7 @@ def _resource(fleet: Fleet) -> dict[str, Any]:
 
 def test_two_peered_operators_one_acts_and_the_other_takes_over_when_it_is_killed(fleet: Fleet):
     kubectl = fleet.kubectl
-    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(PEERING_CRD))
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(PEERING_CRD))
     kubectl.run("wait", "--for=condition=Established", "--timeout=60s", "crd/kopfpeerings.kopf.dev")
     kubectl.apply([
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}},

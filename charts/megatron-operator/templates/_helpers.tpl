@@ -55,6 +55,22 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{- define "megatron-operator.peeringName" -}}
+{{- default (include "megatron-operator.fullname" .) .Values.peering.name -}}
+{{- end -}}
+
+{{/*
+kopf's peering: the replicas' keep-alives (megatron_operator/kube.py PEERING_PERMISSIONS), in a
+ClusterKopfPeering for an operator of every namespace, else a KopfPeering per served namespace.
+*/}}
+{{- define "megatron-operator.peeringRules" -}}
+{{- if .Values.peering.enabled }}
+- apiGroups: ["kopf.dev"]
+  resources: [{{ ternary "clusterkopfpeerings" "kopfpeerings" (eq .Values.rbac.scope "cluster") | quote }}]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
+{{- end -}}
+
 {{/*
 Every API call of the operator (megatron_operator/kube.py PERMISSIONS; a test keeps them equal).
 The CRD rule is cluster-scoped and only granted with rbac.scope=cluster.
