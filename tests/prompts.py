@@ -24,6 +24,16 @@ def run_requests(engine, jobs: list[tuple[str, SamplingParams]]) -> list[Dynamic
                                for i, (p, sp) in enumerate(jobs)])
 
 
+def run_steps(engine, requests: list[DynamicInferenceRequest], steps: int) -> list[DynamicInferenceRequest]:
+    """Add ``requests`` to ``engine`` (an engine in this process) and step it ``steps`` times, so that a verb or a
+    second engine meets them part way; the requests."""
+    for request in requests:
+        engine.add_request(request)
+    for _ in range(steps):
+        engine.step()
+    return requests
+
+
 def run_to_end(engine, requests: list[DynamicInferenceRequest]) -> list[DynamicInferenceRequest]:
     """Add ``requests`` to ``engine`` (an engine in this process) and step it until every one has finished; the
     requests, filled in by the steps."""

@@ -19,7 +19,7 @@ from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
-from ..prompts import PROMPTS, run_to_end
+from ..prompts import PROMPTS, run_steps, run_to_end
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
@@ -134,10 +134,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
 
 def generate_each_partially(llm: MegatronLLM, steps: int):
     requests = make_requests(llm, PROMPTS, [GREEDY] * len(PROMPTS))
-    for request in requests:
-        llm.engine.add_request(request)
-    for _ in range(steps):
-        llm.engine.step()
+    run_steps(llm.engine, requests, steps)
     assert all(r.generated_tokens and not r.finished for r in requests)
     return requests
 

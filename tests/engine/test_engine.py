@@ -25,7 +25,7 @@ from megatron_serve.engine.output import step_delta
 from megatron_serve.wire.messages import RequestDelta
 from megatron_serve.wire.request import FinalRecord
 
-from ..prompts import PROMPTS, run_to_end
+from ..prompts import PROMPTS, run_steps, run_to_end
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True, return_log_probs=True)
 
@@ -271,10 +271,7 @@ def test_suspend_releases_the_pool_and_resume_continues(tiny_llama, reference_ou
     llm = MegatronLLM(tiny_llama)
     engine = llm.engine
     requests = [DynamicInferenceRequest(str(i), p, llm.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-    for request in requests:
-        engine.add_request(request)
-    for _ in range(5):
-        engine.step()
+    run_steps(engine, requests, 5)
     engine.sync()  # the step in flight (overlapped scheduling) delivers its tokens before the verb
     expected_bytes = engine.kv_cache.num_bytes
     assert engine.memory.suspend() == expected_bytes > 0
@@ -289,10 +286,7 @@ def test_suspend_releases_the_pool_and_resume_continues(tiny_llama, reference_ou
 def test_handed_back_requests_continue_on_another_engine(tiny_llama, reference_outputs):
     first, second = MegatronLLM(tiny_llama).engine, MegatronLLM(tiny_llama).engine
     requests = [DynamicInferenceRequest(str(i), p, first.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-    for request in requests:
-        first.add_request(request)
-    for _ in range(6):
-        first.step()
+    run_steps(first, requests, 6)
     handed = first.take_unfinished_requests()
     assert handed and not first.has_unfinished_requests()
     assert first.load().kv_blocks_free == first.load().kv_blocks_total

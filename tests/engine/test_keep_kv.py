@@ -9,7 +9,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..prompts import run_to_end
+from ..prompts import run_steps, run_to_end
 
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
@@ -34,10 +34,7 @@ def prompts(count: int = 3) -> list[list[int]]:
 def run(served, interrupt=None, steps_before: int = 4):
     """Step the prompts to their end; after ``steps_before`` steps, ``interrupt(engine)`` (the verbs)."""
     requests = [DynamicInferenceRequest(str(i), "", p, PARAMS) for i, p in enumerate(prompts())]
-    for request in requests:
-        served.add_request(request)
-    for _ in range(steps_before):
-        served.step()
+    run_steps(served, requests, steps_before)
     served.sync()
     before = served.load().computed_tokens
     if interrupt is not None:

@@ -23,6 +23,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.model.tiny_mtp import add_mtp_layer
 from megatron_serve.weights.sources import TensorSource
 
+from ..prompts import run_steps
 from .speculative_heads import counts, engine_on, greedy_runs, record_guesses
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}  # K pinned: the tests count guesses
@@ -94,10 +95,7 @@ def test_a_refit_switches_the_mtp_layer_with_the_policy(models):
     proposer = engine.speculator.proposer
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
     requests = [DynamicInferenceRequest(f"old{i}", None, p, params) for i, p in enumerate(PROMPTS)]
-    for request in requests:
-        engine.add_request(request)
-    for _ in range(3):
-        engine.step()
+    run_steps(engine, requests, 3)
     copy_tensors = [(name, tensor[:]) for name, tensor in iterate_checkpoint(models["copy"])]
     assert engine.memory.refit(TensorSource.of(copy_tensors), epoch=7)["epoch"] == 7
     assert not proposer.stale and proposer.mtp_epoch == 7

@@ -13,6 +13,8 @@ from megatron_serve.wire.kv_events import MEDIUM_DEVICE, MEDIUM_HOST
 from megatron_serve.wire.lifecycle import Step
 from megatron_serve.wire.messages import ResetPrefixCache
 
+from ..prompts import run_steps
+
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True, return_log_probs=True)
 
@@ -63,10 +65,7 @@ def test_running_requests_refuse_the_reset_unless_they_are_recomputed(tiny_llama
     served = llm(tiny_llama)
     engine = served.engine
     requests = [DynamicInferenceRequest(str(i), "", p, PARAMS) for i, p in enumerate(prompts(2))]
-    for request in requests:
-        engine.add_request(request)
-    for _ in range(2):
-        engine.step()
+    run_steps(engine, requests, 2)
     engine.sync()
     cached = engine.allocator.num_cached
     refused = reset(served, running=False)

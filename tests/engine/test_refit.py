@@ -7,7 +7,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..prompts import PROMPTS
+from ..prompts import PROMPTS, run_steps
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
 
@@ -30,10 +30,7 @@ def test_refit_switches_weights_and_in_flight_requests_show_the_switch(checkpoin
     llm = MegatronLLM(a)
     engine = llm.engine
     in_flight = [DynamicInferenceRequest(f"old{i}", p, llm.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
-    for request in in_flight:
-        engine.add_request(request)
-    for _ in range(4):
-        engine.step()
+    run_steps(engine, in_flight, 4)
     timings = engine.memory.refit(b, epoch=7)
     assert timings["epoch"] == 7 and timings["total_s"] >= timings["load_s"] > 0
     while engine.has_unfinished_requests():

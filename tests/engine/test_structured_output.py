@@ -14,7 +14,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, RequestStatus, SamplingParams
 from megatron_serve.wire.sampling_params import StructuredOutputsParams
 
-from ..prompts import PROMPTS, run_requests, run_to_end
+from ..prompts import PROMPTS, run_requests, run_steps, run_to_end
 
 SCHEMA = {
     "type": "object",
@@ -78,10 +78,7 @@ def test_grammar_state_is_rebuilt_on_another_engine(tiny_llama, llm):
     reference = [o.generated_tokens for o in run_requests(llm.engine, jobs)]
     first, second = MegatronLLM(tiny_llama).engine, MegatronLLM(tiny_llama).engine
     requests = [DynamicInferenceRequest(str(i), p, first.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
-    for request in requests:
-        first.add_request(request)
-    for _ in range(8):
-        first.step()
+    run_steps(first, requests, 8)
     handed = first.take_unfinished_requests()
     assert handed and all(r.generated_tokens for r in handed)
     run_to_end(second, handed)

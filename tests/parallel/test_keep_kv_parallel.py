@@ -14,6 +14,8 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..prompts import run_steps
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a process per rank, as the other group tests
 
 BLOCK = 8
@@ -34,10 +36,7 @@ def run(engine, suspend=None) -> tuple[list[tuple[list[int], list[float]]], int]
     requests = [DynamicInferenceRequest(str(i), "", [rng.randrange(5, 500) for _ in range(2 * BLOCK + 3 + i)], PARAMS)
                 for i in range(3)]
     computed = engine.load().computed_tokens
-    for request in requests:
-        engine.add_request(request)
-    for _ in range(3):
-        engine.step()
+    run_steps(engine, requests, 3)
     engine.sync()
     if suspend is not None:
         suspend(engine)
