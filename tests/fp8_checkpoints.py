@@ -14,12 +14,14 @@
   checkpoints' conversion scripts do.
 * :func:`dequantized_checkpoint`: an FP8 checkpoint's weights as float32 (``megatron_kernels.fp8``'s
   one definition of their value), the model the engine's reference path must equal.
+* :func:`edited_checkpoint`: a copy whose tensors a test changed (per-row values, a broken scale).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -181,4 +183,14 @@ def dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     config = json.loads((dst / "config.json").read_text())
     config.pop("quantization_config")
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def edited_checkpoint(src: str | Path, dst: str | Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose tensors ``edit(tensors)`` changed in place."""
+    src, dst = Path(src), Path(dst)
+    _copy_side_files(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, dst / "model.safetensors")
     return dst

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from megatron_kernels import fp8
 from megatron_serve import EventType, InferenceConfig, MegatronLLM, SamplingParams
@@ -26,6 +25,7 @@ from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..fp8_checkpoints import block_fp8_checkpoint, edited_checkpoint
 from ..prompts import PROMPTS
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8.py"
@@ -44,16 +44,12 @@ def _generate(model_dir, prompts=PROMPTS, params=GREEDY, **config):
 
 def _per_row_dequantized(model_dir: Path, target: Path) -> Path:
     """``model_dir`` with every decoder projection replaced by its per-row FP8 value (float32)."""
-    target.mkdir()
-    for path in model_dir.iterdir():
-        if path.suffix != ".safetensors":
-            (target / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(model_dir / "model.safetensors")
-    for name, tensor in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            tensors[name] = fp8.dequantize(*fp8.quantize(tensor, None), None, torch.float32)
-    save_file(tensors, target / "model.safetensors")
-    return target
+    def per_row(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                tensors[name] = fp8.dequantize(*fp8.quantize(tensor, None), None, torch.float32)
+
+    return edited_checkpoint(model_dir, target, per_row)
 
 
 def test_quantization_fp8_serves_a_float_checkpoint_quantized_per_row(tmp_path, monkeypatch):
@@ -81,8 +77,6 @@ def test_quantization_fp8_serves_a_float_checkpoint_quantized_per_row(tmp_path, 
 
 
 def test_quantization_fp8_keeps_an_fp8_checkpoint_as_it_is(tmp_path):
-    from ..fp8_checkpoints import block_fp8_checkpoint
-
     model_dir = block_fp8_checkpoint(make_tiny_model(tmp_path / "tiny", seed=2), tmp_path / "fp8", (16, 16))
     _, served = _generate(model_dir, quantization="fp8")
     _, plain = _generate(model_dir)

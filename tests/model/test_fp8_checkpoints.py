@@ -17,14 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model import UnsupportedModelError
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..fp8_checkpoints import block_fp8_checkpoint, compressed_tensors_checkpoint, dequantized_checkpoint
+from ..fp8_checkpoints import (
+    block_fp8_checkpoint,
+    compressed_tensors_checkpoint,
+    dequantized_checkpoint,
+    edited_checkpoint,
+)
 from ..prompts import PROMPTS
 
 NEW_TOKENS = 16
@@ -152,19 +156,6 @@ def test_unsupported_schemes_are_refused_naming_them(tmp_path, quantization_conf
         load_model(model_dir, torch.float32, "cpu")
 
 
-def _edited(checkpoint: Path, tmp_path: Path, edit) -> Path:
-    """A copy of ``checkpoint`` whose tensors went through ``edit`` (a dict -> None)."""
-    target = tmp_path / "edited"
-    target.mkdir()
-    for path in checkpoint.iterdir():
-        if path.suffix != ".safetensors":
-            (target / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(checkpoint / "model.safetensors")
-    edit(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, target / "model.safetensors")
-    return target
-
-
 Q = "model.layers.0.self_attn.q_proj"
 
 
@@ -188,7 +179,7 @@ def _set(name: str, value):
      "experts.3.up_proj.weight_scale holds NaN or infinite"),
 ])
 def test_bad_scales_are_refused_naming_the_tensor(checkpoints, tmp_path, name, edit, message):
-    broken = _edited(checkpoints[name][0], tmp_path, edit)
+    broken = edited_checkpoint(checkpoints[name][0], tmp_path / "edited", edit)
     with pytest.raises(ValueError, match=message):
         load_model(broken, torch.float32, "cpu")
 
@@ -216,7 +207,7 @@ def test_a_checkpoints_fp8_kv_scales_load_and_go_unused(checkpoints, tmp_path):
             for name in ("k_scale", "v_scale"):
                 tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([0.05])
 
-    with_scales = _edited(quantized, tmp_path, add_kv_scales)
+    with_scales = edited_checkpoint(quantized, tmp_path / "edited", add_kv_scales)
     config = json.loads((with_scales / "config.json").read_text())
     config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                         "dynamic": False, "symmetric": True}
