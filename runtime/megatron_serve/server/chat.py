@@ -11,7 +11,6 @@ from ..wire.request import DynamicInferenceRequest
 from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, token_label
 from .context import ServerContext
 from .errors import unsupported
-from .intake import check_budget
 from .handlers import GenerationHandler
 from .whole_answers import prompt_logprobs
 from .models import (
@@ -28,13 +27,10 @@ from .streaming import EventStreamResponse, stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
     EngineJob,
-    Prompt,
     chat_prompt,
     controls,
     extension_fields,
-    make_jobs,
     resolve_max_tokens,
-    sampling_params,
     structured_outputs,
 )
 
@@ -90,13 +86,7 @@ class ChatHandler(GenerationHandler):
         default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", None)  # None: the rest of the context
         max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, default_tokens, max_len,
                                         prompt_param="messages", tokens_param=tokens_param)
-
-        def params_for(_prompt: Prompt, choice: int):
-            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
-                                   choice=choice, defaults=ctx.generation_defaults, extra=extra)
-
-        self.jobs = make_jobs([self.prompt], self.n, params_for)
-        self.cost = check_budget(self.jobs, ctx.limits, returns_prompt=bool(req.return_token_ids))
+        self.plan([self.prompt], lambda _prompt: max_tokens, top_n, extra, returns_prompt=bool(req.return_token_ids))
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""

@@ -12,7 +12,6 @@ from ..wire.request import DynamicInferenceRequest, FinishReason
 from .answers import Delta, StreamedAnswer, TopPairs, finish_reason, make_usage, paired, token_label
 from .context import ServerContext
 from .errors import bad_request, unsupported
-from .intake import check_budget
 from .handlers import GenerationHandler
 from .whole_answers import prompt_logprobs
 from .models import (
@@ -29,9 +28,7 @@ from .translate import (
     completion_prompts,
     controls,
     extension_fields,
-    make_jobs,
     resolve_max_tokens,
-    sampling_params,
     structured_outputs,
 )
 
@@ -116,14 +113,11 @@ class CompletionHandler(GenerationHandler):
         top_n = max(self.top, req.prompt_logprobs or 0)
         default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", DEFAULT_COMPLETION_TOKENS)
 
-        def params_for(prompt: Prompt, choice: int):
-            max_tokens = resolve_max_tokens(len(prompt.tokens), 1 if self.scoring_only else req.max_tokens,
-                                            default_tokens, max_len, prompt_param="prompt", tokens_param="max_tokens")
-            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
-                                   choice=choice, defaults=ctx.generation_defaults, extra=extra)
+        def max_tokens(prompt: Prompt) -> int:
+            return resolve_max_tokens(len(prompt.tokens), 1 if self.scoring_only else req.max_tokens, default_tokens,
+                                      max_len, prompt_param="prompt", tokens_param="max_tokens")
 
-        self.jobs = make_jobs(self.prompts, self.n, params_for)
-        self.cost = check_budget(self.jobs, ctx.limits, returns_prompt=bool(req.echo or req.return_token_ids))
+        self.plan(self.prompts, max_tokens, top_n, extra, returns_prompt=bool(req.echo or req.return_token_ids))
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         return make_usage(sum(len(p.tokens) for p in self.prompts), finished)

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..limits import Cost
+from ..wire.sampling_params import SamplingParams
 from .context import ServerContext
-from .translate import EngineJob, check_common, check_model
+from .intake import check_budget
+from .translate import EngineJob, Prompt, check_common, check_model, make_jobs, sampling_params
 from .whole_answers import whole_answer
 
 
 class GenerationHandler:
     """The base of :class:`~.completions.CompletionHandler` and :class:`~.chat.ChatHandler` (``id_prefix``: their
-    answers' id before the request's; each sets ``want_logprobs``, ``jobs`` and ``cost`` as it reads its body)."""
+    answers' id before the request's; each sets ``want_logprobs`` as it reads its body, and ``jobs`` and ``cost``
+    through :meth:`plan`)."""
 
     id_prefix: str
     want_logprobs: bool
@@ -32,6 +35,19 @@ class GenerationHandler:
             req.model = ctx.model_name
         check_model(req.model, ctx.served_names)
         check_common(req)
+
+    def plan(self, prompts: list[Prompt], max_tokens: Callable[[Prompt], int], top_n: int, extra: dict[str, Any],
+             returns_prompt: bool) -> None:
+        """The request's engine requests, ``n`` per prompt, each with its sampling parameters (``max_tokens`` of its
+        prompt, ``top_n`` alternatives, the ``extra`` controls), and their cost checked against the request budget
+        (``returns_prompt``: the answer repeats each prompt)."""
+        def params_for(prompt: Prompt, choice: int) -> SamplingParams:
+            return sampling_params(self.req, max_tokens=max_tokens(prompt), logprobs=self.want_logprobs,
+                                   top_logprobs=top_n, choice=choice, defaults=self.ctx.generation_defaults,
+                                   extra=extra)
+
+        self.jobs = make_jobs(prompts, self.n, params_for)
+        self.cost = check_budget(self.jobs, self.ctx.limits, returns_prompt=returns_prompt)
 
     @property
     def prompt_logprobs(self) -> int | None:
