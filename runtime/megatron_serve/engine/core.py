@@ -239,6 +239,9 @@ class DynamicInferenceEngine:
         launched by the previous call, after this call launched the next (its outputs come one call later).
         With speculation on, the K policy first puts each decode-ready request's drafts in the step
         (:meth:`~.speculative.decoder.Speculator.begin`): a verify step, overlapped too unless it must be read at once.
+        A step in which a request of a better class displaced a worse one (``ScheduledBatch.displacing``) is finished in
+        the call that launched it: the request that took the slot asked for latency, and one step without overlap
+        gives it its first token a step sooner (under a flood, one whole batch's step less to wait).
         """
         speculator, scheduler = self.speculator, self.scheduler
         ks, at_once = (None, False) if speculator is None else speculator.begin(scheduler.running, scheduler.waiting,
@@ -282,7 +285,7 @@ class DynamicInferenceEngine:
                 previous = None
             self.worker.sample(launched)
         done = [previous] if previous is not None else []
-        if self.config.async_scheduling and not at_once:
+        if self.config.async_scheduling and not at_once and not (batch is not None and batch.displacing):
             self._in_flight = launched
         elif launched is not None:
             done.append(launched)

@@ -65,10 +65,14 @@ def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: ``(sequence, tokens to compute)``, decode entries (one token) first."""
+    """One step's work: ``(sequence, tokens to compute)``, decode entries (one token) first. ``displacing``: a request
+    of a better band took the slot or KV blocks of a worse one in this step (:mod:`.tenancy`); the engine reads such a
+    step at once instead of overlapping the next one with it (``engine.core``), so that the request that asked for
+    latency gets its first token a step sooner."""
 
     entries: list[tuple[Sequence, int]]
     preempted: list[Sequence]
+    displacing: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -209,7 +213,7 @@ class Scheduler:
         if tenancy is not None:
             tenancy.charge(entries)
             tenancy.waited(self.waiting)
-        return ScheduledBatch(entries, step.displaced + step.preempted)
+        return ScheduledBatch(entries, step.displaced + step.preempted, bool(step.displaced))
 
     def _displace(self, tenancy: TenantPolicy, step: _Step) -> None:
         """Every request slot is taken: the waiting heads of a better band than the worst running requests take
