@@ -27,6 +27,7 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -184,24 +185,12 @@ def exp_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return lanewise(F.silu, x)
-
-
-def exp(x: torch.Tensor) -> torch.Tensor:
-    return lanewise(torch.exp, x)
-
-
-def cos(x: torch.Tensor) -> torch.Tensor:
-    return lanewise(torch.cos, x)
-
-
-def sin(x: torch.Tensor) -> torch.Tensor:
-    return lanewise(torch.sin, x)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return lanewise(torch.sigmoid, x)
+# The mode's elementwise functions: each one of torch's through :func:`lanewise`.
+silu: Callable[[torch.Tensor], torch.Tensor] = functools.partial(lanewise, F.silu)
+exp: Callable[[torch.Tensor], torch.Tensor] = functools.partial(lanewise, torch.exp)
+cos: Callable[[torch.Tensor], torch.Tensor] = functools.partial(lanewise, torch.cos)
+sin: Callable[[torch.Tensor], torch.Tensor] = functools.partial(lanewise, torch.sin)
+sigmoid: Callable[[torch.Tensor], torch.Tensor] = functools.partial(lanewise, torch.sigmoid)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from .invariant import linear, rms_norm
 from .invariant_attention import attention
+from .invariant_checkpoint import hf_state_dict
 from .invariant_experts import routed_experts, stacked_experts
 from .invariant_layout import BatchLayout, batch_layout
 
@@ -349,13 +350,7 @@ def hf_to_megatron_core(state: dict[str, torch.Tensor], config: TransformerConfi
 def load_hf_checkpoint(model: GPTModel, model_dir: str | Path) -> GPTModel:
     """Load the checkpoint the engine serves (its ``*.safetensors``) into ``model`` (strict: every weight of the
     model is set, every tensor of the checkpoint used), in the model's dtype. Returns ``model``."""
-    from safetensors.torch import load_file  # noqa: PLC0415 - comes with transformers
-
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(path)))
-    if not state:
-        raise ValueError(f"{model_dir}: no *.safetensors files")
+    state = hf_state_dict(model_dir)
     try:
         mapped = hf_to_megatron_core(state, model.config)
     except KeyError as missing:

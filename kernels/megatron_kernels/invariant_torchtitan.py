@@ -40,6 +40,7 @@ from torchtitan.protocols.module import Module
 
 from .invariant import rms_norm
 from .invariant_attention import DensePlan, attention, plan_dense
+from .invariant_checkpoint import hf_state_dict
 from .invariant_experts import routed_experts, stacked_experts
 from .invariant_layout import BatchLayout, batch_layout
 
@@ -287,13 +288,7 @@ def hf_to_torchtitan(state: dict[str, torch.Tensor], experts: int = 0) -> dict[s
 
 def load_hf_checkpoint(model: torch.nn.Module, model_dir: str | Path) -> torch.nn.Module:
     """Load the checkpoint the engine serves (its ``*.safetensors``) into ``model``, strictly. Returns ``model``."""
-    from safetensors.torch import load_file  # noqa: PLC0415 - comes with transformers
-
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(path)))
-    if not state:
-        raise ValueError(f"{model_dir}: no *.safetensors files")
+    state = hf_state_dict(model_dir)
     layer = model.layers["0"]
     mapped = hf_to_torchtitan(state, layer.moe.router.shape[0] if getattr(layer, "moe_enabled", False) else 0)
     if model.enable_weight_tying:
