@@ -9,19 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import script_module
+from tests.benchmarks.scripts import BENCHMARKS, script_fixture
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
-
-
-@pytest.fixture(scope="module")
-def serving():
-    with script_module("serving_benchmark", SCRIPT) as module:
-        yield module
+SCRIPT = BENCHMARKS / "serving.py"
+serving = script_fixture("serving", "serving_benchmark", "serving.py")
 
 
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])

@@ -6,7 +6,6 @@ simulated with the draft-model proposer against the target's own greedy tokens).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +14,9 @@ from megatron_serve import InferenceConfig
 from megatron_serve.engine.speculative.draft_model import DraftModelProposer
 from megatron_serve.engine.speculative.proposer import DraftInput
 
-from tests.helpers import script_module
+from tests.benchmarks.scripts import script_fixture
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative_pair.py"
-
-
-@pytest.fixture(scope="module")
-def pair_module():
-    with script_module("speculative_pair", SCRIPT) as module:
-        yield module
+pair_module = script_fixture("pair_module", "speculative_pair", "speculative_pair.py")
 
 
 @pytest.fixture

@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 
 from megatron_serve.model.tiny import make_tiny_model
-from tests.helpers import script_module
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "startup_cpu.py"
+from tests.benchmarks.scripts import script_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
-
-@pytest.fixture(scope="module")
-def startup():
-    with script_module("startup_cpu_benchmark", SCRIPT) as module:
-        yield module
+startup = script_fixture("startup", "startup_cpu_benchmark", "startup_cpu.py")
 
 
 def mapped(pid: int, library: str) -> bool:
