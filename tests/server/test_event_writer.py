@@ -123,6 +123,31 @@ async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(toke
     assert _events((first + rest).decode()) == _events(other.text)
 
 
+async def test_pieces_made_before_the_response_started_go_out_as_one_chunk(tokenizer, monkeypatch):
+    """Pieces that wait for the response's task (made before it started: a backlog of steps, here a backend that makes
+    every piece at once) go into the connection as one chunk, not a write each; the events are the same. Control:
+    through ``send``, the same events."""
+    writes: list[bytes] = []
+    write = chunked.ChunkedBody.write
+
+    async def counting(self, body: bytes) -> None:
+        writes.append(body)
+        await write(self, body)
+
+    monkeypatch.setattr(chunked.ChunkedBody, "write", counting)
+    body = {**BODY, "n": 1, "logprobs": None, "stream_options": None}
+    backend = FakeBackend(tokenizer)  # no token delay: its task makes every piece in one go
+    async with serving(create_app(backend, tokenizer, MODEL)) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post("/v1/completions", json=body)
+    assert answer.status_code == 200
+    events = _events(answer.text)
+    assert len(events) > 10 and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(writes) == 1 and writes[0].count(b"data: ") == len(events) - 1  # every piece's event, one write (the
+    # last chunk and [DONE] go with the end of the body)
+    monkeypatch.setattr(streaming, "chunked_body", lambda scope: None)
+    assert events == _events((await _answers(tokenizer, body))[0])
+
+
 async def test_a_piece_whose_events_fail_ends_the_stream_with_an_error_event(tokenizer, monkeypatch):
     made = completions._CompletionEvents.item
     calls = []

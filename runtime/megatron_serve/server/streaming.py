@@ -280,12 +280,15 @@ class EventWriter:
         waiting = self._waiting
         while True:
             while waiting:
-                data = waiting[0]
+                # Everything that waits goes as one chunk: the pieces made before the response started (with a
+                # backlog of steps, most often several of them) cost one write instead of one each
+                count = len(waiting)
+                data = waiting[0] if count == 1 else b"".join(waiting)
                 if body is not None:
                     await body.write(data)
                 else:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
-                if waiting:  # (close() empties it)
+                for _ in range(min(count, len(waiting))):  # (close() empties it; pieces may have come meanwhile)
                     waiting.popleft()
             if self.last is not None:
                 return self.last
