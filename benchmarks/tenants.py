@@ -6,8 +6,10 @@
    meanwhile (it must progress). Shedding is off here (`--shed-* 0`): the figure is the scheduling's.
 2. **crowd**: a hostile flood of ``--connections`` (200) streams of tenant ``bulk``, from a process of its own, each
    sent again at once when it ends or is refused; tenant ``chat`` (``critical``) sends short requests one after
-   another. ``chat``'s TTFT p50/p99 alone and under the flood: ``bulk`` ``sheddable`` with shedding on (its refusals
-   come straight back) and off, ``bulk`` ``standard``, and the control with both ``standard``.
+   another. ``chat``'s TTFT p50/p99 alone and under the flood, in pairs on one stack (alone, flood, alone, flood...:
+   ``--pairs``), so that a shared host's load moves both halves of a pair; its mean queue time (``/metrics``) in each
+   half splits its TTFT into the queues' part and the rest. Rows: ``bulk`` ``sheddable`` with shedding on (its
+   refusals come straight back) and off, ``bulk`` ``standard``, and the control with both ``standard``.
 3. **weights**: tenants of weight 1 and 3 in one class, each with twice the slots in flight; the tokens each was
    streamed over the window, and their ratio.
 4. **overhead**: no tenants, 64 streams (`benchmarks/serving.py`'s workload): CPU seconds of the server, the
@@ -15,7 +17,7 @@
    tenants; its ``runtime`` goes first on the stack's ``PYTHONPATH``), alternated ``--repeats`` times.
 
     python benchmarks/tenants.py                                  # flood, weights, overhead on a new tiny model
-    python benchmarks/tenants.py --only crowd --requests 100      # the 200-connection flood
+    python benchmarks/tenants.py --only crowd --requests 100 --no-control   # the 200-connection flood
     python benchmarks/tenants.py --only overhead --baseline /tmp/before --repeats 3
 """
 
@@ -29,7 +31,9 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -116,9 +120,12 @@ def crowd_process(url: str, key: str, connections: int, tokens: int, stop, count
     asyncio.run(flood())
 
 
-async def chat_ttfts(url: str, count: int) -> list[float]:
-    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        return [await stream(http, "key-chat", prompt, 8) for prompt in prompts(count, 32, 7)]
+async def chat_ttfts(target: str | aiohttp.ClientSession, count: int) -> list[float]:
+    """``chat``'s ``count`` requests of 8 tokens, one after another, at a URL or through a session; their TTFTs."""
+    if isinstance(target, aiohttp.ClientSession):
+        return [await stream(target, "key-chat", prompt, 8) for prompt in prompts(count, 32, 7)]
+    async with aiohttp.ClientSession(base_url=target, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        return await chat_ttfts(http, count)
 
 
 async def flood_level(url: str, requests: int) -> tuple[list[float], float]:
@@ -180,48 +187,117 @@ def run_flood(model: str, requests: int) -> None:
               f"{percentile(values, 99) / p99:.2f} | {'' if rate is None else f'{rate:.0f}'} |")
 
 
-def run_crowd(model: str, connections: int, requests: int, control: bool = True) -> None:
-    """``chat`` (``critical``) alone, then under ``connections`` streams of ``bulk``: ``sheddable`` with shedding on
-    (refused floods come straight back), ``sheddable`` and ``standard`` with shedding off, and the control where
-    both are ``standard``."""
+async def fleet_gauges(http: aiohttp.ClientSession) -> dict[str, float]:
+    """From ``/metrics`` (no key): the fleet's requests running and waiting, and ``chat``'s queue time (arrival at
+    the coordinator to first scheduled: its sum and count), which splits its TTFT into the queues' part and the
+    rest (HTTP, the step, the way back)."""
+    async with http.get("/metrics") as response:
+        text = await response.text()
+    gauges = {"running": 0.0, "waiting": 0.0, "queue_sum": 0.0, "queue_count": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("vllm:num_requests_running"):
+            gauges["running"] += float(value)
+        elif name.startswith("vllm:num_requests_waiting"):
+            gauges["waiting"] += float(value)
+        elif 'tenant="chat"' in name:
+            for part in ("sum", "count"):
+                if name.startswith(f"megatron_serve_tenant_request_queue_time_seconds_{part}"):
+                    gauges[f"queue_{part}"] = float(value)
+    return gauges
+
+
+async def until(http: aiohttp.ClientSession, holds: Callable[[dict[str, float]], bool], timeout: float,
+                what: str) -> dict[str, float]:
+    """Poll ``/metrics`` until ``holds(gauges)``; the gauges then."""
+    deadline = time.monotonic() + timeout
+    while not holds(gauges := await fleet_gauges(http)):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the stack was not {what} after {timeout:g}s: {gauges}")
+        await asyncio.sleep(0.1)
+    return gauges
+
+
+@dataclass
+class Pair:
+    """One alone phase and the flood phase after it, on one stack: ``chat``'s TTFTs, its mean queue time (s) in
+    each, the flood's tokens/s and refusals, and the host's load average over the pair."""
+
+    alone: list[float]
+    flood: list[float]
+    queued: tuple[float, float]
+    rate: float
+    refused: int
+    load: float
+
+
+def run_crowd(model: str, connections: int, requests: int, repeats: int, control: bool = True) -> None:
+    """``chat`` (``critical``) alone and under ``connections`` streams of ``bulk``, interleaved ``repeats`` times on
+    one stack per row (alone, flood, alone, flood...: a host whose load moves moves both halves of a pair): ``bulk``
+    ``sheddable`` with shedding on (refused floods come straight back), ``sheddable`` and ``standard`` with shedding
+    off, and the control where both are ``standard``."""
     import multiprocessing  # noqa: PLC0415
 
     context = multiprocessing.get_context("spawn")
 
-    async def under_crowd(url: str, _pid: int) -> tuple[list[float], float, int]:
-        stop, counted, refused = context.Event(), context.Value("q", 0), context.Value("q", 0)
-        crowd = context.Process(target=crowd_process, args=(url, "key-bulk", connections, 256, stop, counted, refused))
-        crowd.start()
-        await asyncio.sleep(5.0)  # every connection sent, every slot and queue full
-        before, started = counted.value, time.perf_counter()
-        ttfts = await chat_ttfts(url, requests)
-        rate = (counted.value - before) / (time.perf_counter() - started)
-        stop.set()
-        crowd.join(60)
-        return ttfts, rate, refused.value
+    async def phase(http: aiohttp.ClientSession) -> tuple[list[float], float]:
+        before = await fleet_gauges(http)
+        ttfts = await chat_ttfts(http, requests)
+        after = await fleet_gauges(http)
+        count = after["queue_count"] - before["queue_count"]
+        return ttfts, (after["queue_sum"] - before["queue_sum"]) / count if count else float("nan")
 
-    base = f"--max-requests {SLOTS}"
-    rows: list[tuple[str, list[float], float | None, int | None]] = []
+    async def pairs(url: str, _pid: int) -> list[Pair]:
+        done: list[Pair] = []
+        async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600)) as http:
+            for _ in range(repeats):
+                load = os.getloadavg()[0]
+                await until(http, lambda g: not g["running"] and not g["waiting"], 120, "idle")
+                alone, alone_queued = await phase(http)
+                stop, counted, refused = context.Event(), context.Value("q", 0), context.Value("q", 0)
+                crowd = context.Process(target=crowd_process,
+                                        args=(url, "key-bulk", connections, 256, stop, counted, refused))
+                crowd.start()
+                await until(http, lambda g: g["running"] >= SLOTS and counted.value > 0, 120, "full")
+                before, started = counted.value, time.perf_counter()
+                flood, flood_queued = await phase(http)
+                rate = (counted.value - before) / (time.perf_counter() - started)
+                stop.set()
+                crowd.join(60)
+                done.append(Pair(alone, flood, (alone_queued, flood_queued), rate, refused.value,
+                                 (load + os.getloadavg()[0]) / 2))
+        return done
+
     docs = {name: key_file(document({"bulk": {"class": bulk}, "chat": {"class": chat}}))
             for name, bulk, chat in (("sheddable", "sheddable", "critical"), ("standard", "standard", "critical"),
                                      ("control", "standard", "standard"))}
-    alone = with_stack(model, f"{base} --api-key-file {docs['sheddable']}", lambda url, _: chat_ttfts(url, requests))
-    rows.append(("alone", alone, None, None))
-    for name, doc, shedding in (("bulk sheddable, shedding on", docs["sheddable"], ""),
-                                ("bulk sheddable, shedding off", docs["sheddable"], NO_SHEDDING),
-                                ("bulk standard", docs["standard"], NO_SHEDDING),
-                                ("control: both standard", docs["control"], NO_SHEDDING))[:None if control else 3]:
-        ttfts, rate, refused = with_stack(model, f"{base} {shedding} --api-key-file {doc}", under_crowd)
-        rows.append((name, ttfts, rate, refused))
+    rows = (("bulk sheddable, shedding on", docs["sheddable"], ""),
+            ("bulk sheddable, shedding off", docs["sheddable"], NO_SHEDDING),
+            ("bulk standard", docs["standard"], NO_SHEDDING),
+            ("control: both standard", docs["control"], NO_SHEDDING))[:None if control else 3]
     print(f"\ncrowd: bulk keeps {connections} connections of 256-token streams ({SLOTS} slots), chat (critical; "
-          f"standard in the control): {requests} requests of 8 tokens, one after another")
-    print("| chat's TTFT | p50 (s) | p99 (s) | p50 / alone | p99 / alone | bulk tokens/s | bulk refused |")
-    print("|---|---|---|---|---|---|---|")
-    p50, p99 = percentile(alone, 50), percentile(alone, 99)
-    for name, values, rate, refused in rows:
-        print(f"| {name} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
-              f"{percentile(values, 50) / p50:.2f} | {percentile(values, 99) / p99:.2f} | "
-              f"{'' if rate is None else f'{rate:.0f}'} | {'' if refused is None else refused} |")
+          f"standard in the control): {requests} requests of 8 tokens, one after another, alone then under the "
+          f"flood, {repeats} pairs on one stack per row")
+    print("| row | pair | load | alone p50 / p99 (s) | flood p50 / p99 (s) | p50 ratio | p99 ratio | chat queued, "
+          "alone / flood (ms) | bulk tokens/s | bulk refused |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, doc, shedding in rows:
+        found = with_stack(model, f"--max-requests {SLOTS} {shedding} --api-key-file {doc}", pairs)
+        for index, pair in enumerate(found, 1):
+            print(f"| {name} | {index} | {pair.load:.1f} | {percentile(pair.alone, 50):.3f} / "
+                  f"{percentile(pair.alone, 99):.3f} | {percentile(pair.flood, 50):.3f} / "
+                  f"{percentile(pair.flood, 99):.3f} | {ratio(pair.flood, pair.alone, 50):.2f} | "
+                  f"{ratio(pair.flood, pair.alone, 99):.2f} | {pair.queued[0] * 1000:.1f} / "
+                  f"{pair.queued[1] * 1000:.1f} | {pair.rate:.0f} | {pair.refused} |")
+        alone = [t for pair in found for t in pair.alone]
+        flood = [t for pair in found for t in pair.flood]
+        print(f"| {name} | all | | {percentile(alone, 50):.3f} / {percentile(alone, 99):.3f} | "
+              f"{percentile(flood, 50):.3f} / {percentile(flood, 99):.3f} | {ratio(flood, alone, 50):.2f} | "
+              f"{ratio(flood, alone, 99):.2f} | | | |")
+
+
+def ratio(flood: list[float], alone: list[float], q: float) -> float:
+    return percentile(flood, q) / percentile(alone, q)
 
 
 def run_weights(model: str, seconds: float, warmup: float = 10.0) -> None:
@@ -292,6 +368,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("flood", "crowd", "weights", "overhead"), action="append")
     parser.add_argument("--requests", type=int, default=40, help="chat's requests per flood level")
     parser.add_argument("--connections", type=int, default=200, help="the crowd's flood connections")
+    parser.add_argument("--pairs", type=int, default=3, help="the crowd's alone/flood pairs per row")
     parser.add_argument("--no-control", action="store_true",
                         help="the crowd without its control (chat waits behind the flood there: minutes)")
     parser.add_argument("--seconds", type=float, default=20.0, help="the weights' window")
@@ -310,7 +387,7 @@ def main() -> None:
     if "flood" in only:
         run_flood(model, args.requests)
     if "crowd" in only:
-        run_crowd(model, args.connections, args.requests, not args.no_control)
+        run_crowd(model, args.connections, args.requests, args.pairs, not args.no_control)
     if "weights" in only:
         run_weights(model, args.seconds)
     if "overhead" in only:
