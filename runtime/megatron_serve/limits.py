@@ -12,7 +12,7 @@ This module is light (no FastAPI, no torch) so that the commands can build their
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
 from .wire.sampling_fields import MAX_TOP_N_LOGPROBS, SUBSET_FILTERS
 from .wire.sampling_params import SamplingParams
@@ -79,9 +79,11 @@ PROMPT_CHARS_PER_CONTEXT_TOKEN = 32
 #   ``k`` likeliest alternatives, and so does each generated token when log probs are asked for
 #   (``k`` is one count for both, the larger one asked). Output tokens count at their maximum
 #   (``max_tokens``, or the rest of the context), since nothing shorter is promised. Kept ids
-#   (``return_top_p_token_ids``, slime's top-p replay) count here too, at their most: ``top_k`` per
-#   generated token, or the whole vocabulary without it (one for a greedy request, none without a filter
-#   that keeps a subset): top-p alone bounds nothing before the logits are seen;
+#   (``return_top_p_token_ids``, slime's top-p replay) count here too: up front where their most is known
+#   (``top_k`` per generated token, one for a greedy request); with top-p alone their most is the whole
+#   vocabulary per token (156 M ids for 1,024 tokens of a 151,936-id vocabulary, slime's defaults), which
+#   would refuse every such request, so they are counted as the engine produces them instead
+#   (:class:`KeptIdsMeter`) and the request ends once they pass the budget;
 # * **answer bytes**: an estimate of the JSON answer, :data:`TOKEN_BYTES` per returned token,
 #   :data:`LOGPROB_ENTRY_BYTES` per entry (the shapes of both endpoints hold an entry in 30 to 80
 #   bytes: its id or text, its log prob, in vLLM's ``prompt_logprobs`` its rank and decoded text) and
@@ -114,29 +116,27 @@ class Cost:
                     self.kept_ids + other.kept_ids)
 
 
-def kept_ids_per_token(params: SamplingParams, vocab_size: int | None) -> int:
-    """The most ids ``return_top_p_token_ids`` reports for one generated token: one for a greedy request, none
-    without a filter that keeps a subset (the engine reports none then), ``top_k`` or the vocabulary otherwise
-    (``vocab_size`` None, unknown: ``top_k``'s bound alone, 0 without it)."""
+def kept_ids_per_token(params: SamplingParams) -> int:
+    """The most ids ``return_top_p_token_ids`` reports for one generated token where that is known before the
+    logits are seen: one for a greedy request, ``top_k`` with it; 0 otherwise: none without a filter that keeps a
+    subset (the engine reports none then), and top-p alone, whose ids :class:`KeptIdsMeter` counts as produced."""
     if not params.return_top_p_token_ids:
         return 0
     if params.is_greedy:
         return 1
     if all(getattr(params, row.name) == row.default for row in SUBSET_FILTERS):
         return 0
-    bounds = [bound for bound in (params.top_k, vocab_size) if bound]
-    return min(bounds, default=0)
+    return params.top_k
 
 
-def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prompt: bool = False,
-                        vocab_size: int | None = None) -> Cost:
+def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prompt: bool = False) -> Cost:
     """The cost of one engine request (one choice) of a ``prompt_len``-token prompt; ``returns_prompt``: the answer
-    repeats the prompt's tokens (``echo``, ``return_token_ids``); ``vocab_size``: the model's (bounds kept ids)."""
+    repeats the prompt's tokens (``echo``, ``return_token_ids``)."""
     k = params.top_n_logprobs
     entries = max(prompt_len - 1, 0) * (1 + k) if params.return_prompt_log_probs else 0  # the first has no context
     per_token = k + (1 if params.return_log_probs or k else 0)
     entries += params.num_tokens_to_generate * per_token
-    kept = params.num_tokens_to_generate * kept_ids_per_token(params, vocab_size)
+    kept = params.num_tokens_to_generate * kept_ids_per_token(params)
     tokens = params.num_tokens_to_generate + (prompt_len if returns_prompt else 0)
     return Cost(entries, tokens * TOKEN_BYTES + entries * LOGPROB_ENTRY_BYTES + kept * KEPT_ID_BYTES, kept)
 
@@ -148,8 +148,8 @@ def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None, *,
     if cost.kept_ids and cost.logprobs + cost.kept_ids > max_logprobs:  # in SGLang's words for its length limits
         return (f"Requested top-p token ids and log probs exceed this server's budget of {max_logprobs:,} per request "
                 f"({option}). You requested up to {cost.logprobs + cost.kept_ids:,}: {cost.kept_ids:,} top-p token "
-                f"ids (top_k per new token, or the whole vocabulary without top_k) and {cost.logprobs:,} log probs. "
-                "Please set top_k, or reduce max_new_tokens or the number of choices.")
+                f"ids (top_k per new token) and {cost.logprobs:,} log probs. "
+                "Please lower top_k, or reduce max_new_tokens or the number of choices.")
     if cost.logprobs > max_logprobs:
         return (f"the request asks for {cost.logprobs:,} log probs (choices x (prompt positions x (prompt_logprobs "
                 f"+ 1) + max_tokens x (logprobs + 1))); this server's budget is {max_logprobs:,} per request "
@@ -159,6 +159,34 @@ def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None, *,
                 f"{LOGPROB_ENTRY_BYTES} per log prob, {KEPT_ID_BYTES} per top-p token id); this server's budget is "
                 f"{max_bytes:,} bytes per answer (--max-response-bytes): ask for fewer choices, log probs or tokens")
     return None
+
+
+class KeptIdsMeter:
+    """One engine request's kept ids counted as its engine produces them, against the log-prob budget it was admitted
+    under (beside its log-prob entries, counted up front): top-p alone bounds nothing before the logits are seen, so
+    its ids are counted here rather than refused at their most. The coordinator keeps one per such request on its
+    mirror (every delta of every client passes there, on any engine it moves to), the in-process engine thread one
+    per request it steps."""
+
+    __slots__ = ("budget", "logprobs", "option", "kept", "tokens")
+
+    def __init__(self, cost: Cost, budget: int, option: str) -> None:
+        """``cost``: the request's, counted at admission (its kept ids there are their bound, not counted again)."""
+        self.budget, self.logprobs, self.option = budget, cost.logprobs, option
+        self.kept = self.tokens = 0
+
+    def add(self, per_token: Sequence[Sequence[int]] | None) -> str | None:
+        """Count one delta's kept ids (a list per new token); why the request is now over the budget (SGLang's words
+        for its length limits, naming the cap and the figures), or None."""
+        if per_token:
+            self.kept += sum(map(len, per_token))
+            self.tokens += len(per_token)
+        if self.logprobs + self.kept <= self.budget:
+            return None
+        return (f"Top-p token ids and log probs exceed this server's budget of {self.budget:,} per request "
+                f"({self.option}). The request produced {self.kept:,} top-p token ids in {self.tokens:,} new tokens "
+                f"beside {self.logprobs:,} log probs, and was ended. Please set top_k, lower top_p, or reduce "
+                "max_new_tokens or the number of choices.")
 
 
 @dataclass(frozen=True)
@@ -236,8 +264,8 @@ class RequestLimits:
     max_request_logprobs: int = field(default=DEFAULT_MAX_REQUEST_LOGPROBS, metadata={
         "flag": "--max-request-logprobs",
         "help": "most log-prob entries one request may ask for: choices x (prompt positions x (prompt_logprobs + 1) "
-                "+ max_tokens x (logprobs + 1)), with top-p token ids (SGLang's return_top_p_token_ids) at their most: "
-                "top_k per token, or the vocabulary"})
+                "+ max_tokens x (logprobs + 1)), with top-p token ids (SGLang's return_top_p_token_ids): top_k per token "
+                "up front, or as produced without top_k (the request ends once they pass it)"})
     max_response_bytes: int = field(default=DEFAULT_MAX_RESPONSE_BYTES, metadata={
         "flag": "--max-response-bytes",
         "help": "largest estimated answer of one request, in bytes (tokens and log probs of every choice)"})

@@ -1,7 +1,9 @@
 """``MegatronLLM`` with its engine in this process counts kept ids (``return_top_p_token_ids``) in its
-``max_request_logprobs`` budget at their most, bounded by its engine's vocabulary: top-p alone on 8 tokens of the tiny
-model's vocabulary is refused with a ``ValueError`` naming the budget; with top_k 4, or greedy, the same request is
-served, and its kept ids stay within the bound."""
+``max_request_logprobs`` budget: up front where their most is known (top_k per new token), as the engine produces
+them for top-p alone. Top-p alone on 8 tokens under a budget one short of 8 x the vocabulary (refused when the
+vocabulary per token was counted up front) is served; the same request under a budget one short of the ids it really
+keeps ends with a ``ValueError`` naming the budget and the figures, and the next request is served; top_k past the
+budget is refused before any work."""
 
 from __future__ import annotations
 
@@ -11,22 +13,30 @@ from megatron_serve import MegatronLLM, SamplingParams
 from megatron_serve.model.config import ModelConfig
 
 PROMPT = list(range(5, 25))
-NUCLEUS = dict(temperature=0.8, top_p=0.9, seed=3, num_tokens_to_generate=8, ignore_eos=True,
+NUCLEUS = dict(temperature=1.5, top_p=0.99, seed=3, num_tokens_to_generate=8, ignore_eos=True,
                return_top_p_token_ids=True)
 
 
-def test_megatron_llm_counts_kept_ids_at_its_engines_vocabulary(tiny_llama):
+def test_megatron_llm_serves_top_p_alone_and_counts_its_kept_ids_as_produced(tiny_llama):
     vocab = ModelConfig.from_dir(tiny_llama).vocab_size
-    budget = 8 * vocab - 1  # one short of top-p's bound: 8 tokens x the vocabulary
-    llm = MegatronLLM(tiny_llama, max_request_logprobs=budget)
+    llm = MegatronLLM(tiny_llama, max_request_logprobs=8 * vocab - 1)
     try:
-        with pytest.raises(ValueError, match=rf"budget of {budget:,} per request \(max_request_logprobs\)\. You "
-                                             rf"requested up to {8 * vocab:,}: {8 * vocab:,} top-p token ids"):
-            llm.generate([PROMPT], SamplingParams(**NUCLEUS))
-        (top_k,) = llm.generate([PROMPT], SamplingParams(**NUCLEUS, top_k=4))
-        (greedy,) = llm.generate([PROMPT], SamplingParams(**{**NUCLEUS, "temperature": 0.0}))
+        (served,) = llm.generate([PROMPT], SamplingParams(**NUCLEUS))
     finally:
         llm.close()
-    kept = top_k.generated_top_p_token_ids
-    assert len(kept) == 8 and all(1 <= len(ids) <= 4 for ids in kept)
+    kept = sum(map(len, served.generated_top_p_token_ids))
+    assert len(served.generated_tokens) == 8 and kept > 8  # real sets, more than one id per token
+
+    budget = kept - 1
+    llm = MegatronLLM(tiny_llama, max_request_logprobs=budget)
+    try:
+        with pytest.raises(ValueError, match=rf"budget of {budget:,} per request \(max_request_logprobs\)\. The "
+                                             rf"request produced {kept:,} top-p token ids in 8 new tokens"):
+            llm.generate([PROMPT], SamplingParams(**NUCLEUS))  # the same seed: the same sets, one id past
+        (greedy,) = llm.generate([PROMPT], SamplingParams(**{**NUCLEUS, "temperature": 0.0}))
+        with pytest.raises(ValueError, match=rf"budget of {budget:,} per request \(max_request_logprobs\)\. You "
+                                             rf"requested up to {8 * vocab:,}: {8 * vocab:,} top-p token ids"):
+            llm.generate([PROMPT], SamplingParams(**NUCLEUS, top_k=vocab))  # refused before any work
+    finally:
+        llm.close()
     assert [ids for ids in greedy.generated_top_p_token_ids] == [[t] for t in greedy.generated_tokens]

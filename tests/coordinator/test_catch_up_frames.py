@@ -35,7 +35,7 @@ def kept_at(i: int) -> list[int]:
 
 def test_a_catch_up_whose_kept_ids_pass_a_frame_reaches_the_client_in_pieces():
     assert TOKENS * KEPT * 5 > MAX_MESSAGE_BYTES  # the catch-up as one message would not fit
-    h = CoreHarness()
+    h = CoreHarness(max_request_logprobs=TOKENS * KEPT)  # its 3.84 M kept ids within the budget
     loop = asyncio.new_event_loop()
     try:
         params = SamplingParams(num_tokens_to_generate=TOKENS, temperature=0.8, top_p=0.99,

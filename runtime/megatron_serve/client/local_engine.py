@@ -26,7 +26,7 @@ import torch
 from ..config import InferenceConfig
 from ..engine import DynamicInferenceEngine
 from ..errors import NoFleet
-from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, KeptIdsMeter, engine_request_cost, over_budget
 from ..model.llama import LlamaForCausalLM
 from ..wire.lifecycle import FleetState, Verb
 from ..wire.verb_calls import verb_call
@@ -55,9 +55,12 @@ logger = logging.getLogger("megatron_serve.async_llm")
 _Told = BaseException | list[int] | FinalRecord | None
 
 
-def _posts(out: StepOutput) -> list[tuple[str, RequestDelta | _Told]]:
-    """What one step output tells its request's loop: its delta, then (finished) its final record."""
+def _posts(out: StepOutput, failure: ValueError | None = None) -> list[tuple[str, RequestDelta | _Told]]:
+    """What one step output tells its request's loop: its delta, then its ``failure`` or (finished) its final
+    record."""
     delta = step_delta(out)
+    if failure is not None:
+        return [(out.request_id, delta), (out.request_id, failure)]
     return [(out.request_id, delta), (out.request_id, out.final)] if out.finished else [(out.request_id, delta)]
 
 
@@ -122,6 +125,7 @@ class EngineThread:
         self._arriving_lock = threading.Lock()
         self._pending = PendingRequests()  # touched on the callers' loops only
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # the engine thread's: where each request's output goes
+        self._kept: dict[str, KeptIdsMeter] = {}  # the engine thread's: kept ids counted as produced, per request
         self._thread = threading.Thread(target=self._main, name="megatron-engine", daemon=True)
         self._started = False
         self.completed = 0  # finished requests, by outcome (for the STATUS-shaped answer)
@@ -278,10 +282,27 @@ class EngineThread:
                 # Every request a caller waits for, not only those the engine still held: one whose final record
                 # the step was building when it raised is held by no one else, and its caller would wait forever.
                 self._post([(request_id, RuntimeError(f"engine step failed: {exc}")) for request_id in list(self._loops)])
+                self._kept.clear()
                 continue
+            over = self._metered(outputs)
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
             if outputs:
-                self._post([post for out in outputs for post in _posts(out)])
+                self._post([post for out in outputs for post in _posts(out, over.get(out.request_id))])
+
+    def _metered(self, outputs: list[StepOutput]) -> dict[str, ValueError]:
+        """Count the step's kept ids; each request they carry past the budget is dropped by the engine (it computes
+        no more for it) and fails with the error naming the budget, after this step's tokens (as a coordinator ends
+        it; vLLM raises ValueError for a request over a limit)."""
+        over: dict[str, ValueError] = {}
+        for out in outputs:
+            meter = self._kept.get(out.request_id)
+            reason = None if meter is None else meter.add(out.top_p_token_ids)
+            if reason is not None:
+                self.engine.abort_request(out.request_id)
+                over[out.request_id] = ValueError(reason)
+            if out.finished or reason is not None:
+                self._kept.pop(out.request_id, None)
+        return over
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "call":
@@ -296,6 +317,7 @@ class EngineThread:
                 pass
             return
         if command[0] == "abort":
+            self._kept.pop(command[1], None)
             record = self.engine.abort_request(command[1])
             if record is not None:
                 self._post([(command[1], record)])
@@ -308,12 +330,13 @@ class EngineThread:
             except Exception as exc:
                 told.append((request_id, ValueError(f"cannot tokenize the prompt: {exc}")))
                 continue
-            vocab = self.engine.model.config.vocab_size if params.return_top_p_token_ids else None
-            over = over_budget(engine_request_cost(len(tokens), params, vocab_size=vocab), self.max_request_logprobs,
-                               option="max_request_logprobs")
+            cost = engine_request_cost(len(tokens), params)
+            over = over_budget(cost, self.max_request_logprobs, option="max_request_logprobs")
             if over is not None:  # as a coordinator refuses it (vLLM raises ValueError for a request it cannot take)
                 told.append((request_id, ValueError(over)))
                 continue
+            if params.return_top_p_token_ids:  # top-p alone bounds nothing up front: counted as produced (_metered)
+                self._kept[request_id] = KeptIdsMeter(cost, self.max_request_logprobs, "max_request_logprobs")
             if text is not None or images:  # ids the caller lacks (a text's, images' placeholders expanded)
                 told.append((request_id, list(tokens)))
             self.engine.add_request(EngineRequest(

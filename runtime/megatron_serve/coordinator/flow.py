@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ..limits import engine_request_cost, over_budget
+from ..limits import KeptIdsMeter, engine_request_cost, over_budget
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.deltas import EngineStep, RequestDelta
 from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error
@@ -83,11 +83,12 @@ class RequestFlow:
                                    params_wire=params_wire, stream=bool(body.stream),
                                    out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
-            vocab = self._vocab_size() if params.return_top_p_token_ids else None
-            over = over_budget(engine_request_cost(len(record.prompt_tokens), params, vocab_size=vocab),
-                               self.max_request_logprobs)
+            cost = engine_request_cost(len(record.prompt_tokens), params)
+            over = over_budget(cost, self.max_request_logprobs)
             if over is not None:
                 raise ValueError(over)
+            if params.return_top_p_token_ids:  # top-p alone bounds nothing up front: counted as produced (on_step)
+                record.kept = KeptIdsMeter(cost, self.max_request_logprobs, "--max-request-logprobs")
             admit(record, body.placement, self._engines.values())  # its session, its engine if pinned
         except ValueError as exc:
             self._out.send(identity, Header.ERROR,
@@ -97,11 +98,6 @@ class RequestFlow:
         self.table.add(record, Phase.QUEUED, now)
         if record.exhausted():
             self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
-
-    def _vocab_size(self) -> int | None:
-        """The largest vocabulary the engines report (None before any did: kept ids are then bounded by top_k
-        alone)."""
-        return max((int(engine.info.get("vocab_size") or 0) for engine in self._engines.values()), default=0) or None
 
     def on_abort(self, client: ClientRecord, body: ClientAbort) -> None:
         record = self.table.get(f"{client.client_id}/{body.client_request_id}")
@@ -122,16 +118,27 @@ class RequestFlow:
         A client's abort is ``FAILED``; the fleet's (PAUSE in abort mode) is ``COMPLETED``: the
         partial output is a valid answer that the caller may resubmit to continue.
         """
+        self._release(record)
+        if by_client:
+            self.finish_here(record, "FAILED", "abort", message, error=message)
+        else:
+            self.finish_here(record, "COMPLETED", "abort", message)
+
+    def _release(self, record: RequestRecord) -> None:
+        """Tell a dispatched request's engine to drop it (it stops computing it)."""
         if record.phase is Phase.DISPATCHED:
             engine = self._engines.get(record.engine_id or "")
             if engine is not None:
                 engine.assigned.discard(record.request_id)
                 self._out.send(engine.identity, Header.ABORT, EngineAbort(request_id=record.request_id),
                                engine.batches)
-        if by_client:
-            self.finish_here(record, "FAILED", "abort", message, error=message)
-        else:
-            self.finish_here(record, "COMPLETED", "abort", message)
+
+    def end_over_budget(self, record: RequestRecord, reason: str) -> None:
+        """End a request whose kept ids passed the budget as they were produced: its engine drops it, its client has
+        the tokens so far and gets a FAILED result, reason ``length``, its error naming the cap (the server answers
+        it as a request over a limit)."""
+        self._release(record)
+        self.finish_here(record, "FAILED", "length", reason, error=reason)
 
     def abort_unfinished(self, message: str) -> int:
         """PAUSE in abort mode: end every unfinished request (queued, on an engine); how many."""
@@ -213,6 +220,7 @@ class RequestFlow:
         records, engine_id, decode = self.table.records, engine.engine_id, _STEP_OUTPUT.decode
         steps = StepShares()  # what each client gets of this step, one message
         finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]] = []
+        over: list[tuple[RequestRecord, str]] = []
         for raw in body.outputs:
             try:
                 out = decode(raw)
@@ -225,11 +233,17 @@ class RequestFlow:
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, raw, steps)
+            reason = None if record.kept is None else record.kept.add(out.top_p_token_ids)
+            if reason is not None:
+                over.append((record, reason))
+                continue
             final = body.records.get(out.request_id) if out.finished else None
             handed_on = self.handoffs.active and self.handoffs.on_output(self.table, engine, record, out, final)
             if out.finished:
                 finished.append((record, final, handed_on))
         self._out.add(steps.sends())
+        for record, reason in over:  # after the tokens that passed the budget
+            self.end_over_budget(record, reason)
         for record, final, handed_on in finished:  # their RESULTs after their last tokens
             engine.assigned.discard(record.request_id)
             engine.completed += 1

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import msgspec
 
+from ..limits import KeptIdsMeter
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
 from ..wire.body import ClientId
@@ -81,6 +82,7 @@ class RequestRecord:
     charged: int = 0  # a tenant's request: tokens charged to its tenant's share (fair_queue), settled at its finish
     session_id: str | None = None  # the multi-turn session it belongs to (coordinator.placement): its engine first
     pinned: str | None = None  # the engine its data-parallel rank named at arrival: it runs there or fails
+    kept: KeptIdsMeter | None = None  # return_top_p_token_ids: its kept ids counted as produced (flow.on_step)
 
     @property
     def prefix_keys(self) -> list[int]:

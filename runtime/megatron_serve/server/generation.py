@@ -94,6 +94,8 @@ def check_result(request: DynamicInferenceRequest) -> DynamicInferenceRequest:
     if request.status is not RequestStatus.FAILED:
         return request
     message = request.error or "the request failed"
+    if request.finish_reason is FinishReason.LENGTH:  # ended as it passed a budget (kept ids counted as produced)
+        raise APIError(400, message, code="over_budget")
     if request.finish_reason is FinishReason.ABORT:
         raise APIError(503, f"the request was aborted by the fleet: {message}", code="request_aborted")
     if not any(e.type is EventType.PREFILL for e in request.events):

@@ -189,14 +189,12 @@ def _prompt_count(prompt: Any) -> int:
     return len(prompt)
 
 
-def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt: bool = False,
-                 vocab_size: int | None = None) -> Cost:
-    """The cost of a request's engine requests (``returns_prompt``: the answer repeats each prompt; ``vocab_size``:
-    the model's, which bounds kept ids), or the 400 that names the budget it is over and the request's figure."""
+def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt: bool = False) -> Cost:
+    """The cost of a request's engine requests (``returns_prompt``: the answer repeats each prompt), or the 400 that
+    names the budget it is over and the request's figure."""
     cost = Cost()
     for job in jobs:
-        cost += engine_request_cost(len(job.prompt.tokens), job.params, returns_prompt=returns_prompt,
-                                    vocab_size=vocab_size)
+        cost += engine_request_cost(len(job.prompt.tokens), job.params, returns_prompt=returns_prompt)
     reason = over_budget(cost, limits.max_request_logprobs, limits.max_response_bytes)
     if reason is not None:
         raise APIError(400, reason, code="over_budget")

@@ -168,11 +168,12 @@ async def test_slimes_top_p_replay_gets_the_ids_transformers_top_p_keeps(tiny_mo
     assert [lp for lp, _, _ in control["meta_info"]["output_token_logprobs"]] == pytest.approx(raw, abs=1e-4)
 
 
-async def test_kept_ids_count_in_the_request_budget_before_any_work(tokenizer):
-    """``--max-request-logprobs`` counts kept ids at their most (top_k per new token, or the whole vocabulary of 512
-    without it): top-p alone on 30 tokens asks up to 15,360, over a budget of 10,000, and is refused before anything
-    is submitted, naming the budget; the controls are served: the same request without the flag, or with top_k 20
-    (600 ids), or greedy (one id per token)."""
+async def test_kept_ids_bounded_by_top_k_count_in_the_request_budget_before_any_work(tokenizer):
+    """``--max-request-logprobs`` counts kept ids up front where their most is known: top_k 400 on 30 tokens asks up
+    to 12,000, over a budget of 10,000, and is refused before anything is submitted, naming the budget. Top-p alone
+    (slime's ``--rollout-top-k -1``) is served: its most, the vocabulary of 512 per token (15,360), was refused
+    before; its ids are counted as produced (tests/coordinator/test_kept_ids_budget.py). The controls are served too:
+    the flag off, top_k 20 (600 ids), greedy (one id per token)."""
     nucleus = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 30}
     asked = {"custom_params": {"return_top_p_token_ids": True}}
     async with fake_http(tokenizer, limits=RequestLimits(max_request_logprobs=10_000)) as http:
@@ -180,11 +181,12 @@ async def test_kept_ids_count_in_the_request_budget_before_any_work(tokenizer):
             return await http.post("/generate", json={"input_ids": [5, 6, 7], "return_logprob": True,
                                                       "sampling_params": params})
 
-        refused = error_of(await generate(**nucleus, **asked))
-        assert "--max-request-logprobs" in refused["message"] and "15,390" in refused["message"], refused
-        assert "15,360 top-p token ids" in refused["message"] and "budget of 10,000" in refused["message"]
+        refused = error_of(await generate(**nucleus, **asked, top_k=400))
+        assert "--max-request-logprobs" in refused["message"] and "12,030" in refused["message"], refused
+        assert "12,000 top-p token ids" in refused["message"] and "budget of 10,000" in refused["message"]
         assert refused["code"] == "over_budget"
-        for control in ({**nucleus}, {**nucleus, **asked, "top_k": 20}, {**nucleus, **asked, "temperature": 0}):
+        for control in ({**nucleus, **asked}, {**nucleus}, {**nucleus, **asked, "top_k": 20},
+                        {**nucleus, **asked, "temperature": 0}):
             answer = await generate(**control)
             assert answer.status_code == 200, (control, answer.text)
 

@@ -421,7 +421,7 @@ async def answer(ctx: ServerContext, body: SglangGenerateRequest, handler: Compl
     if kept_ids_asked(body):
         for job in handler.jobs:
             job.params = msgspec.structs.replace(job.params, return_top_p_token_ids=True)
-        check_budget(handler.jobs, ctx.limits, vocab_size=ctx.vocab_size)  # the kept ids counted, before any work
+        check_budget(handler.jobs, ctx.limits)  # kept ids bounded by top_k counted before any work; others as produced
     ctx.request_log.received(handler)
     if body.stream:
         return await stream_answer(ctx.submit(handler.jobs, handler.id), _CumulativeEvents(shape), handler.id)
