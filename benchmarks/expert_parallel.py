@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import queue
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams  # noqa: E402
+from megatron_serve.fleet.local_fleet import free_port  # noqa: E402
 from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
 from pipeline_parallel import group_cpu_seconds  # noqa: E402
 
@@ -130,14 +130,6 @@ def bandwidth_probe(rank: int, size: int, port: str, device: str, mib: int) -> d
     return {"gb_per_s": mib * 2**20 * (size - 1) / size / seconds / 1e9, "ms": 1000 * seconds} if rank == 0 else None
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback (not serving.py's: importing that module loads aiohttp and httpx, again in
-    every rank process forked here, which imports this script as its ``__main__``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def probe_rank(probe, results, rank: int, *argv) -> None:  # noqa: ANN001 - a probe above; a multiprocessing Queue
     """A probe's rank in a forked process; rank 0 sends back what it measured."""
     measured = probe(rank, *argv)
@@ -152,7 +144,7 @@ def run_ranks(probe, size: int, *argv) -> dict:  # noqa: ANN001 - counting_probe
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # read when the server starts; the engine groups may have started it
-    results, port = context.Queue(), str(free_port())
+    results, port = context.Queue(), str(free_port("127.0.0.1"))
     procs = [context.Process(target=probe_rank, args=(probe, results, rank, size, port, *argv))
              for rank in range(size)]
     for proc in procs:

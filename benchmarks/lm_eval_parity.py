@@ -27,9 +27,7 @@ import contextlib
 import functools
 import importlib.util
 import math
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +42,8 @@ import yaml
 from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
+from megatron_serve.fleet.local_fleet import free_port
+from megatron_serve.fleet.supervisor import stop_process_group
 from megatron_serve.hub import resolve_model
 
 EVALS = Path(__file__).resolve().parent / "evals"
@@ -123,16 +123,10 @@ def agree(ours: Item, theirs: Item) -> bool:
     return close and ours.score == theirs.score
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(gguf: Path, dtype: str, log: Path) -> Iterator[tuple[str, str]]:
     """``megatron-serve serve FILE.gguf`` as a user starts it, until ``/ready``; yields its URL and model name."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", "serve", str(gguf), "--dtype", dtype,
                                  "--port", str(port), "--coordinator-port", "0", "--max-requests", "16"],
@@ -151,12 +145,7 @@ def server(gguf: Path, dtype: str, log: Path) -> Iterator[tuple[str, str]]:
             time.sleep(0.2)
         yield url, httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the run stops its children
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, signal.SIGINT)  # as Ctrl-C: the run stops its children
 
 
 def table(rows: list[tuple[str, str, float, float, int, int]]) -> str:

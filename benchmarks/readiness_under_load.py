@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from scratch import scratch_dir
-from serving import THREAD_VARIABLES, free_port, percentile, start_stack, stop_stack
+from serving import THREAD_VARIABLES, percentile, start_stack, stop_stack
 
 MP = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's load, threads or GIL
 LOADED, DONE = MP.Event(), MP.Event()
@@ -142,7 +142,9 @@ def main() -> None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
         model_dir = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny-llama"))
-    health_port = free_port()
+    from megatron_serve.fleet.local_fleet import free_port  # noqa: PLC0415
+
+    health_port = free_port("127.0.0.1")
     proc, url, _output = start_stack(model_dir, args.engines, f"{args.run_args} --health-port {health_port}")
     idle_port: Any = MP.Queue()
     idle = MP.Process(target=idle_prober_target, args=(idle_port, DONE), daemon=True)

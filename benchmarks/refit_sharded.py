@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from megatron_serve import InferenceConfig, WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.fleet.local_fleet import LocalFleet
+from megatron_serve.fleet.local_fleet import LocalFleet, free_port
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.megatron_core import tp_piece
 
@@ -80,14 +80,6 @@ def trainer_rank(address: str, token: str, model: str, rank: int, world_size: in
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def one_size(args: argparse.Namespace, hidden: int) -> list[dict]:
     root = Path(args.dir or "/tmp") / f"megatron-refit-sharded-{hidden}"
     if not (root / "config.json").exists():
@@ -103,7 +95,7 @@ def one_size(args: argparse.Namespace, hidden: int) -> list[dict]:
         context = multiprocessing.get_context("spawn")
         for world_size in args.world_sizes:
             results = context.Queue()
-            port = free_port()
+            port = free_port("127.0.0.1")
             procs = [context.Process(target=trainer_rank, args=(address, fleet.token, str(root), rank, world_size,
                                                                 port, args.rounds, args.bucket_mib << 20, results))
                      for rank in range(world_size)]

@@ -44,7 +44,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -294,15 +293,11 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
 # ----------------------------------------------------------------------------- the stack, the model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_stack(model_dir: str, engines: int, run_args: str) -> tuple[subprocess.Popen, str, Path]:
     """``megatron-serve run`` in its own session; returns it, its URL and its output file."""
-    port = free_port()
+    from megatron_serve.fleet.local_fleet import free_port  # noqa: PLC0415 - a client-side run imports no runtime
+
+    port = free_port("127.0.0.1")
     log_dir = scratch_dir("bench-serving-")
     output = log_dir / "run.out"
     with open(output, "wb") as out:

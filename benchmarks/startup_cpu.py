@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from megatron_serve.fleet.supervisor import stop_process_group
+
 #: The kinds of process, by a piece of their command line, first match wins (the run process is the parent).
 KINDS = (("engine", "megatron_serve.cli engine"), ("coordinator", "megatron_serve.cli coordinator"),
          ("probe", "megatron_serve.server.probe_process"), ("janitor", "megatron_serve.commands.run_janitor"))
@@ -117,12 +119,7 @@ def started(model: str, timeout: float) -> Iterator[int]:
             raise RuntimeError(f"run ended before it was ready (exit code {proc.wait()})")
         yield proc.pid
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, signal.SIGTERM)
 
 
 def one_start(model: str, timeout: float) -> tuple[dict[str, float], dict[str, float]]:
