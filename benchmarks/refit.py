@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -43,6 +46,8 @@ from megatron_serve.model.tiny import make_tiny_model
 
 from cli_options import add_number_options
 
+#: The engine options of :func:`one_engine_fleet`'s engines, as a replacement engine's command line says them.
+FLEET_ARGS = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
 ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 
 
@@ -58,19 +63,28 @@ async def first_request(client: InferenceClient) -> float:
     return time.perf_counter() - started
 
 
-async def refit_round(client: InferenceClient, source: str) -> dict[str, float]:
+async def paused_update(client: InferenceClient, update: Callable[[], Awaitable[dict[str, Any]]]
+                        ) -> tuple[dict[str, Any], dict[str, float]]:
+    """``update()`` between a pause and an unpause, as a trainer's weight update goes; returns its ack and the seconds
+    of each phase: ``pause``, ``update``, ``unpause``, the ``first request`` after it, and their ``total``."""
     t0 = time.perf_counter()
     await client.pause()
     t1 = time.perf_counter()
-    ack = await client.refit(source)
+    ack = await update()
     t2 = time.perf_counter()
     await client.unpause()
     t3 = time.perf_counter()
     first = await first_request(client)
+    return ack, {"pause": t1 - t0, "update": t2 - t1, "unpause": t3 - t2, "first request": first,
+                 "total": t3 - t0 + first}
+
+
+async def refit_round(client: InferenceClient, source: str) -> dict[str, float]:
+    ack, took = await paused_update(client, lambda: client.refit(source))
     (facts,) = ack["detail"]["engines"].values()
-    return {"pause": t1 - t0, "refit": t2 - t1, "  engine: verify (shapes, finite)": facts["verified_s"],
-            "  engine: load in place": facts["load_s"], "unpause": t3 - t2, "first request": first,
-            "total": t3 - t0 + first}
+    return {"pause": took["pause"], "refit": took["update"], "  engine: verify (shapes, finite)": facts["verified_s"],
+            "  engine: load in place": facts["load_s"], "unpause": took["unpause"],
+            "first request": took["first request"], "total": took["total"]}
 
 
 async def restart_round(client: InferenceClient, fleet: LocalFleet, source: str, config_args: list[str]) -> dict:
@@ -121,29 +135,37 @@ def phase_table(title: str, rows: list[dict]) -> None:
         print(f"| {key:<36} | {median(rows, key):>8.3f} |")
 
 
+@contextlib.asynccontextmanager
+async def one_engine_fleet(model_dir: str) -> AsyncIterator[tuple[LocalFleet, InferenceClient]]:
+    """A local fleet of one engine of ``model_dir`` (:data:`FLEET_ARGS`) and a client of it, past a warm-up request;
+    both stopped after."""
+    fleet = LocalFleet(model_dir, 1, InferenceConfig(num_kv_blocks=64, max_sequence_length=256))
+    try:
+        address = await asyncio.to_thread(fleet.start, 300)
+        client = InferenceClient(address, token=fleet.token)
+        await client.start(timeout=60)
+        try:
+            await client.wait_for_engines(1, timeout=600)
+            await first_request(client)  # warm-up
+            yield fleet, client
+        finally:
+            client.close()
+    finally:
+        await asyncio.to_thread(fleet.stop, 60)
+
+
 async def main_async(args: argparse.Namespace) -> None:
     paths = write_checkpoints(args, "megatron-refit-bench-")
     size = checkpoint_bytes(Path(paths[0]))
-    config = InferenceConfig(num_kv_blocks=64, max_sequence_length=256)
-    config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
-    fleet = LocalFleet(paths[0], 1, config)
-    address = await asyncio.to_thread(fleet.start, 300)
-    client = InferenceClient(address, token=fleet.token)
-    await client.start(timeout=60)
     refits: list[dict] = []
     restarts: list[dict] = []
-    try:
-        await client.wait_for_engines(1, timeout=600)
-        await first_request(client)  # warm-up
+    async with one_engine_fleet(paths[0]) as (fleet, client):
         # restarts first: the coordinator then has no refit on record to sync new engines to
         for i in range(args.rounds):
-            restarts.append(await restart_round(client, fleet, paths[(i + 1) % 2], config_args))
+            restarts.append(await restart_round(client, fleet, paths[(i + 1) % 2], FLEET_ARGS))
         current = (args.rounds % 2)
         for i in range(args.rounds):
             refits.append(await refit_round(client, paths[(current + i + 1) % 2]))
-    finally:
-        client.close()
-        await asyncio.to_thread(fleet.stop, 60)
 
     print(f"\nrefit vs restart, {size / 2**20:.0f} MiB fp32 checkpoint ({args.layers} layers, hidden "
           f"{args.hidden_size}), CPU, {os.cpu_count()} cores, median of {args.rounds}")

@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_serve import InferenceConfig
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve import WeightSender
 
 sys.path.insert(0, str(Path(__file__).parent))
 from refit import (  # noqa: E402
+    FLEET_ARGS,
     add_checkpoint_options,
     checkpoint_bytes,
-    first_request,
     median,
+    one_engine_fleet,
+    paused_update,
     phase_table,
     refit_round,
     restart_round,
@@ -91,20 +91,14 @@ async def directory_round(client: InferenceClient, named: list[tuple[str, torch.
 
 async def collective_round(client: InferenceClient, named: list[tuple[str, torch.Tensor]], bucket_bytes: int
                            ) -> dict[str, float]:
-    t0 = time.perf_counter()
-    await client.pause()
-    t1 = time.perf_counter()
-    ack = await WeightSender(client, backend="gloo", bucket_bytes=bucket_bytes).send(named)
-    t2 = time.perf_counter()
-    await client.unpause()
-    t3 = time.perf_counter()
-    first = await first_request(client)
+    sender = WeightSender(client, backend="gloo", bucket_bytes=bucket_bytes)
+    ack, took = await paused_update(client, lambda: sender.send(named))
     (facts,) = ack["detail"]["engines"].values()
-    sender = ack["detail"]["sender"]
-    return {"pause": t1 - t0, "send": t2 - t1, "  sender: engines join": sender["rendezvous_s"],
-            "  sender: send buckets": sender["transfer_s"], "  engine: verify manifest": facts["verified_s"],
-            "  engine: receive and load": facts["load_s"], "unpause": t3 - t2, "first request": first,
-            "total": t3 - t0 + first}
+    sent = ack["detail"]["sender"]
+    return {"pause": took["pause"], "send": took["update"], "  sender: engines join": sent["rendezvous_s"],
+            "  sender: send buckets": sent["transfer_s"], "  engine: verify manifest": facts["verified_s"],
+            "  engine: receive and load": facts["load_s"], "unpause": took["unpause"],
+            "first request": took["first request"], "total": took["total"]}
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -113,31 +107,21 @@ async def main_async(args: argparse.Namespace) -> None:
     bandwidth = memory_copy_bandwidth(size)
     tensors = [trainer_tensors(p) for p in paths]
     written = [checkpoint_dir(paths[0], Path(paths[0]).parent / f"written{i}") for i in (0, 1)]
-    config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
-    fleet = LocalFleet(paths[0], 1, InferenceConfig(num_kv_blocks=64, max_sequence_length=256))
-    address = await asyncio.to_thread(fleet.start, 300)
-    client = InferenceClient(address, token=fleet.token)
-    await client.start(timeout=60)
     restarts: list[dict] = []
     refits: list[dict] = []
     sends: list[dict] = []
-    load = os.getloadavg()[0]
-    try:
-        await client.wait_for_engines(1, timeout=600)
-        await first_request(client)  # warm-up
+    async with one_engine_fleet(paths[0]) as (fleet, client):
+        load = os.getloadavg()[0]
         serving = 0
         for _ in range(args.rounds):
             serving = 1 - serving
-            restarts.append(await restart_round(client, fleet, paths[serving], config_args))
+            restarts.append(await restart_round(client, fleet, paths[serving], FLEET_ARGS))
         for _ in range(args.rounds):
             serving = 1 - serving
             refits.append(await directory_round(client, tensors[serving], written[serving]))
         for _ in range(args.rounds):
             serving = 1 - serving
             sends.append(await collective_round(client, tensors[serving], args.bucket_mib << 20))
-    finally:
-        client.close()
-        await asyncio.to_thread(fleet.stop, 60)
 
     print(f"\nweight sync, {size / 2**20:.0f} MiB fp32 ({args.layers} layers, hidden {args.hidden_size}), CPU, "
           f"{os.cpu_count()} cores, gloo, {args.bucket_mib} MiB buckets, median of {args.rounds}, "
