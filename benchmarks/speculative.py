@@ -32,53 +32,10 @@ Goals (issue 39): at least 1.5x tokens per target forward at concurrency 1 with 
 at least 0.98x of no speculation's throughput at concurrency 64.
 
 The pair's training time and the draft's greedy agreement with the target on held-out text
-(``speculative_pair.acceptance``, K=4) are printed first. Measured on the 2-core CPU shared with other
-work (defaults, one thread, with the engine's speculative step as first built; wall-clock ratios move
-with the machine's load, tokens per forward do not):
-
-    held-out greedy draft acceptance length 4.25 (81.1% of guesses); pair trained in 163 s + 23 s
-    workload sampling    conc  method       tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio  same tokens
-    grammar  greedy         1  none            0.98   1.00    683.2   1.00       0.92   1.00  yes
-    grammar  greedy         1  ngram           1.62   1.64    747.5   1.09       0.78   1.17  yes
-    grammar  greedy         1  draft_model     4.00   4.06    443.3   0.65       1.07   0.86  yes
-    grammar  sampled        1  draft_model     2.56   2.60    298.6   1.13       1.74   0.86
-    grammar  greedy        64  draft_model   170.67   2.79   3699.0   0.62       0.13   0.55  yes
-    grammar  sampled       64  draft_model   124.12   2.03   2492.7   0.41       0.20   0.40
-    edit     greedy         1  ngram           1.74   1.77    957.8   1.58       0.74   1.30  yes
-
-The tokens-per-forward goal is met at concurrency 1 (4.06x greedy, 2.60x sampled); wall-clock is
-not, because on this tiny pair a drafter forward costs about what a target forward does (both are
-Python and launch overhead), and at concurrency 64 every step drafts K=4 whatever it pays
-(adaptive K is what closes that gap).
-
-Methods run adaptive (``ngram``, ``draft_model``: K per request and step, engine.speculative.adaptive)
-and with K pinned to ``--k`` (``ngram/K``, ``draft_model/K``), and the ``mean K`` column is draft tokens
-per decode row that could speculate. With the adaptive policy (same machine, CPU-time ratios; see
-docs/speculative.md for the spread over runs):
-
-    workload sampling    conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K
-    grammar  greedy         1  draft_model       2.68   2.72    682.2   1.17       0.71   1.09   2.29
-    grammar  greedy         1  draft_model/K     4.00   4.06    409.6   0.70       0.69   1.13   3.91
-    grammar  greedy        64  ngram            62.06   1.02  19575.1   1.39       0.05   1.01   0.00
-    grammar  greedy        64  ngram/K          62.06   1.02  11712.1   0.83       0.08   0.60   1.06
-    grammar  greedy        64  draft_model      62.06   1.02  18311.5   1.30       0.05   0.99   0.00
-    grammar  greedy        64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
-
-Sampled with 4 choices a prompt (``--methods none,ngram,draft_model,ngram/K,draft_model/K --repeat 3``; CPU-time
-ratios moved 2-5% between three such runs, docs/speculative.md), nothing pays: pinned, the draft model doubles
-tokens per forward at 0.64x and 0.34x of none's CPU time per token; adaptive K declines (mean K 0.00):
-
-    workload sampling    conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K  same tokens
-    grammar  sampled-n4     1  none              3.82   1.00   5136.2   1.00       0.19   1.00   0.00  yes
-    grammar  sampled-n4     1  ngram             3.82   1.00   5087.9   0.98       0.20   0.97   0.00  yes
-    grammar  sampled-n4     1  draft_model       3.82   1.00   5085.5   0.99       0.20   0.99   0.00  yes
-    grammar  sampled-n4     1  ngram/K           3.93   1.03   4887.1   0.94       0.20   0.94   0.13  yes
-    grammar  sampled-n4     1  draft_model/K     8.43   2.21   3236.9   0.63       0.30   0.64   3.92  yes
-    grammar  sampled-n4    64  none             61.13   1.00  24084.9   1.00       0.04   1.00   0.00  yes
-    grammar  sampled-n4    64  ngram            61.13   1.00  22694.8   0.94       0.04   0.96   0.00  yes
-    grammar  sampled-n4    64  draft_model      61.13   1.00  23218.1   0.97       0.04   0.97   0.00  yes
-    grammar  sampled-n4    64  ngram/K          62.06   1.02  17071.1   0.71       0.06   0.71   0.10  yes
-    grammar  sampled-n4    64  draft_model/K   124.12   2.03   8103.9   0.34       0.12   0.34   3.91  yes
+(``speculative_pair.acceptance``, K=4) are printed first. Methods run adaptive (``ngram``, ``draft_model``: K per
+request and step, engine.speculative.adaptive) and with K pinned to ``--k`` (``ngram/K``, ``draft_model/K``); the
+``mean K`` column is draft tokens per decode row that could speculate. The figures measured with it, and what they
+say, are in docs/speculative.md (Adaptive K, and its "Rows of the benchmark").
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
         [--n 4] [--repeat N] [--cold | --warm-and-cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
