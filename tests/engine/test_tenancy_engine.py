@@ -39,7 +39,9 @@ def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_ar
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
 
     def step() -> None:
-        for out in engine.step():
+        outputs = engine.step()
+        assert len({out.request_id for out in outputs}) == len(outputs)  # one delta per request (an engine process's)
+        for out in outputs:
             tokens[out.request_id] += out.new_tokens
 
     for request in requests[:4]:

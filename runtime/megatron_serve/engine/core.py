@@ -285,14 +285,15 @@ class DynamicInferenceEngine:
                 previous = None
             self.worker.sample(launched)
         done = [previous] if previous is not None else []
-        if self.config.async_scheduling and not at_once and not (batch is not None and batch.displacing):
+        displacing = batch is not None and batch.displacing  # read now: both steps' tokens, one output per request
+        if self.config.async_scheduling and not at_once and not displacing:
             self._in_flight = launched
         elif launched is not None:
             done.append(launched)
         for step in done:
             outputs += self._finish(step)
         outputs += scheduler.take_pending()
-        return one_per_request(outputs) if at_once else outputs
+        return one_per_request(outputs) if at_once or displacing else outputs
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
