@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = [f"Fault {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(50)]
 TOKENS = 48
+#: The processes of each kind the run keeps.
+SIZE = {"coordinator": 1, "engine": 2}
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=TOKENS, ignore_eos=True)
 
 
@@ -83,6 +85,14 @@ def assert_all_equal_to_quiet(outcomes: tuple[list, list], quiet) -> None:
         assert outcome.tokens == outcome.final.generated_tokens == quiet[prompt], prompt  # the quiet run's ids
 
 
+async def replaced(stack: RunStack, kind: str, victim: int) -> None:
+    """A new ``kind`` process where ``victim`` was (the run keeps one coordinator and two engines), and the fleet
+    serving with its two engines again."""
+    await until(lambda: victim not in stack.children()[kind] and len(stack.children()[kind]) == SIZE[kind], 60,
+                f"a new {kind} process")
+    await stack.wait_engines(2, timeout=120)
+
+
 async def test_sigkill_of_the_coordinator_with_50_streams_in_flight(stack, quiet):
     victim = stack.one("coordinator")
 
@@ -94,9 +104,7 @@ async def test_sigkill_of_the_coordinator_with_50_streams_in_flight(stack, quiet
     # On a loaded machine the 48-token streams may all end before the run has noticed the death.
     await until(lambda: any("killed by SIGKILL" in line for line in restart_lines(stack.output(), "coordinator")),
                 60, "the run to log the coordinator's death")
-    await until(lambda: stack.children()["coordinator"] and stack.one("coordinator") != victim, 60,
-                "a new coordinator")
-    await stack.wait_engines(2, timeout=90)
+    await replaced(stack, "coordinator", victim)
 
 
 async def test_sigstop_of_the_coordinator_past_its_liveness_deadline(stack, quiet):
@@ -123,9 +131,7 @@ async def test_sigstop_of_the_coordinator_past_its_liveness_deadline(stack, quie
         if alive(victim):
             os.kill(victim, signal.SIGCONT)
     assert "liveness deadline 10s" in hung[0], stack.output()[-3000:]
-    await until(lambda: stack.children()["coordinator"] and stack.one("coordinator") != victim, 60,
-                "a new coordinator")
-    await stack.wait_engines(2, timeout=90)
+    await replaced(stack, "coordinator", victim)
     print(f"\nthe fleet was back to 2 engines {time.monotonic() - stopped:.1f}s after the coordinator stopped")
 
 
@@ -144,9 +150,7 @@ async def test_sigkill_of_an_engine_with_50_streams_in_flight_and_the_fleet_back
     # still counts the dead engine): first the restart, then the fleet's size.
     await until(lambda: any("killed by SIGKILL" in line and "restarting it in" in line
                             for line in restart_lines(stack.output(), "engine")), 60, "the run to restart the engine")
-    await until(lambda: victim not in stack.children()["engine"] and len(stack.children()["engine"]) == 2, 60,
-                "a new engine process")
-    await stack.wait_engines(2, timeout=120)
+    await replaced(stack, "engine", victim)
     print(f"\nthe fleet was back to 2 engines {time.monotonic() - killed:.1f}s after the kill")
 
 

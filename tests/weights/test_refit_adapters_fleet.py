@@ -61,6 +61,15 @@ async def generate(client: InferenceClient, params: SamplingParams) -> list:
     return await asyncio.gather(*(client.add_request(p, params) for p in PROMPTS))
 
 
+async def check_serves(client: InferenceClient, expected: SimpleNamespace, epoch: int) -> None:
+    """The fleet generates ``expected``'s tokens with the adapter and without, the adapted requests under policy and
+    adapter ``epoch``."""
+    adapted, base = await generate(client, ADAPTED), await generate(client, BASE)
+    assert [r.generated_tokens for r in adapted] == expected.adapted
+    assert [r.generated_tokens for r in base] == expected.base
+    assert all(set(r.lora_epochs) == {epoch} and set(r.policy_epochs) == {epoch} for r in adapted)
+
+
 async def test_adapters_travel_with_the_policy_or_not_at_all(setup, tmp_path):
     (tmp_path / "logs").mkdir()
     children = Children(tmp_path / "logs")
@@ -85,10 +94,7 @@ async def test_adapters_travel_with_the_policy_or_not_at_all(setup, tmp_path):
             status = await client.status()
             assert status["epoch"] == 0 and {e["epoch"] for e in status["engines"]} == {0}
             await client.unpause()
-            adapted, base = await generate(client, ADAPTED), await generate(client, BASE)
-            assert [r.generated_tokens for r in adapted] == setup.before.adapted
-            assert [r.generated_tokens for r in base] == setup.before.base
-            assert all(set(r.lora_epochs) == {0} and set(r.policy_epochs) == {0} for r in adapted)
+            await check_serves(client, setup.before, 0)
 
             # policy and adapter in one transaction: both change, under epoch 1, on every engine
             await client.pause()
@@ -97,10 +103,7 @@ async def test_adapters_travel_with_the_policy_or_not_at_all(setup, tmp_path):
             assert ack["detail"]["epoch"] == 1 and ack["detail"]["adapters"] == {"a": 1}
             assert len(ack["detail"]["receivers"]) == 3  # every engine rank took part (1 + 2)
             await client.unpause()
-            adapted, base = await generate(client, ADAPTED), await generate(client, BASE)
-            assert [r.generated_tokens for r in adapted] == setup.after.adapted
-            assert [r.generated_tokens for r in base] == setup.after.base
-            assert all(set(r.lora_epochs) == {1} and set(r.policy_epochs) == {1} for r in adapted)
+            await check_serves(client, setup.after, 1)
             assert {e["epoch"] for e in (await client.status())["engines"]} == {1}
     finally:
         children.kill_all()
