@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_serve.engine.group.regroup import Progress, Resume, regroup, resume_from
+from megatron_serve.engine.group.spawn import PRELOAD
 from megatron_serve.engine.served import Turn
 from megatron_serve.errors import EngineGroupLost
 
@@ -83,7 +84,10 @@ def member(rank: int, port: int, reports: multiprocessing.Queue) -> None:
 
 
 def test_the_ranks_left_regroup_agree_and_run_turns_again_in_their_own_processes():
-    context = multiprocessing.get_context("spawn")
+    # forked from multiprocessing's fork server, which imports torch and this module once: four spawned ranks spent
+    # most of the test's CPU importing them each
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*PRELOAD, __name__])  # the engine's own, in case this starts the server
     # a queue each: a rank killed between its write and the release of its queue's lock leaves that queue locked
     reports = [context.Queue() for _ in range(WORLD)]
     port = free_port()
