@@ -83,6 +83,7 @@ $(VERL_INSTALLED): $(TESTING)
 	$(UV_PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(UV_PIP) $(TORCH) $(VERL) 'transformers<5.11' 'ray[default]' -e .
 	$(PIP) install -q --no-deps --upgrade --target $(AREAL_ANCHORS) $(AREAL_PACKAGES)
+	$(VERL_VENV)/bin/python -m megatron_kernels || echo "CPU kernels not built for $(VERL_VENV): its engines build them"
 	touch $(VERL_INSTALLED)
 
 verl-env: $(VERL_INSTALLED)

@@ -3,12 +3,13 @@
 Each source is compiled once per source, CPU and installation, into torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, shared by every environment of a user): the library's name carries a digest of the CPU's
 instruction set (``-march=native`` code built on one CPU may not run on another, as with a home directory shared
-between machines), of torch's version (its C++ ABI) and of the source's path, so that two environments never
-rebuild one library under each other (a process that loads a rebuilt copy of a library it holds registers its ops
-twice, which torch aborts on). It needs a C++ compiler, ``ninja`` and ``setuptools``; where a source cannot be
-built, the ops it serves stay on the PyTorch reference, with one warning that says why. ``python -m
-megatron_kernels`` builds them all ahead of time (``make setup`` does, and an image can), so that no engine's first
-step waits for a compiler.
+between machines), of torch's version (its C++ ABI), of torch's installation (two venvs of one checkout hold the
+same version and source, but build with their own include paths, so one name was rebuilt by each in turn) and of
+the source's path, so that two environments never rebuild one library under each other (a process that loads a
+rebuilt copy of a library it holds registers its ops twice, which torch aborts on). It needs a C++ compiler,
+``ninja`` and ``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with
+one warning that says why. ``python -m megatron_kernels`` builds them all ahead of time (``make setup`` does for
+each venv, and an image can), so that no engine's first step waits for a compiler.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_tag(source: Path) -> str:
-    """A short digest of this CPU's architecture and instruction-set flags, torch's version and ``source``'s path."""
+    """A short digest of this CPU's architecture and instruction-set flags, torch's version and installation and
+    ``source``'s path."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    facts = f"{platform.machine()} {flags} {torch.__version__} {source.resolve()}"
+    installation = Path(torch.__file__).resolve().parent
+    facts = f"{platform.machine()} {flags} {torch.__version__} {installation} {source.resolve()}"
     return hashlib.sha256(facts.encode()).hexdigest()[:12]
 
 

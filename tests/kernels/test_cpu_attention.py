@@ -167,6 +167,16 @@ def test_each_environment_and_torch_builds_its_own_library(tmp_path):
     assert cpu_build.build_tag(cpu_attention.SOURCE) == cpu_build.build_tag(cpu_attention.SOURCE)
 
 
+def test_another_venv_with_the_same_torch_version_builds_its_own_library(monkeypatch, tmp_path):
+    """A second venv of this checkout (``.venv-verl``) holds the same torch version and source path but builds with
+    its own include paths: one name for both was rebuilt by each venv in turn, a compile at each switch."""
+    here = cpu_build.build_tag(cpu_attention.SOURCE)
+    elsewhere = tmp_path / "other-venv" / "torch"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.setattr(torch, "__file__", str(elsewhere / "__init__.py"))  # the other venv's torch, same version
+    assert cpu_build.build_tag(cpu_attention.SOURCE) != here
+
+
 def test_loading_the_kernels_leaves_the_process_keeping_denormals():
     """Built with ``-ffast-math`` but not linked with it: the process still computes with subnormal floats (a
     library linked with ``crtfastmath`` would flush them to zero for every op of every model in it)."""
