@@ -52,9 +52,10 @@ def held_by_the_budget(timeline: list[tuple[float, str, int, str]], before: set[
     by the kubelet stand-in, so its engine served); returns the order seen, for the printed figures.
 
     ``timeline`` is the kubelet's (time, "ready" or "going", group, pod uid); ``before`` the engine pods' uids before
-    the drain. The second pod's going is seen by the kubelet at or after its eviction, so a replacement Ready before
-    that sighting with the budget is Ready before the eviction; without a budget both go within a pass, long before
-    any replacement's engine could serve."""
+    the drain. With the budget the Eviction API lets the second pod go only once the disruption controller counted
+    the replacement Ready, which the kubelet wrote after its engine served: the kubelet sees that pod going later
+    still. Without a budget both pods go at once, within one of the kubelet's passes, while the replacement's engine
+    has not even started (docs/kubernetes/rollouts.md has a run of that control)."""
     going = sorted((t, group) for t, kind, group, uid in timeline if kind == "going" and uid in before)
     assert len(going) == GROUPS, f"the drain's evictions: {going}"
     (first_at, first), (second_at, second) = going
