@@ -21,6 +21,8 @@ from ..helpers import Children, free_port
 from ..model.test_moe import VARIANTS
 
 RANKS = 4
+#: The rank the loss tests kill: not rank 0, whose engine hosts the rendezvous store (its loss ends the group).
+KILLED = 2
 PROMPTS = [f"Request {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(8)]
 
 
@@ -80,6 +82,16 @@ class ExpertGroup:
         streams = await asyncio.gather(*(client_stream(self.client, p, self.tokens) for p in PROMPTS))
         assert [s.tokens for s in streams] == [q.tokens for q in self.quiet], [s.error for s in streams]
         return {engine: done - before.get(engine, 0) for engine, done in (await self._completed_by_engine()).items()}
+
+    async def rejoin(self, rank: int) -> subprocess.Popen:
+        """Lost rank ``rank`` restarted (the same command, the same rendezvous): it joins the running group as rank
+        ``rank`` of all of them, and every engine serves again (:meth:`served_by_each`). Returns its engine."""
+        joiner = self.engine(rank)
+        await self.logged(joiner, f"expert-parallel rank {rank} is rank {rank} of {self.ranks}", 120)
+        await self.client.wait_for_engines(self.ranks, timeout=60)
+        served = await self.served_by_each()
+        assert len(served) == self.ranks and all(served.values()), served
+        return joiner
 
     async def _completed_by_engine(self) -> dict[str, int]:
         return {engine["id"]: engine["completed"] for engine in (await self.client.status())["engines"]}

@@ -13,11 +13,10 @@ import pytest
 
 from tests.run_stack import client_stream
 
-from .expert_group_stack import PROMPTS, expert_group
+from .expert_group_stack import KILLED, PROMPTS, expert_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KILLED = 2
 TOKENS = 48
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 
 from ..helpers import free_port, until
-from .expert_group_stack import RANKS, expert_group
+from .expert_group_stack import KILLED, RANKS, expert_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KILLED = 2
 TOKENS = 32
 
 

@@ -21,9 +21,5 @@ async def test_the_rank_left_alone_serves_on_and_the_lost_ones_restart_joins_it(
         served = await group.served_by_each()
         assert list(served.values()) == [len(group.quiet)], served  # rank 0 alone served them all
 
-        joiner = group.engine(1)  # the lost rank's restart: the same command, the same rendezvous
-        await group.logged(joiner, "expert-parallel rank 1 is rank 1 of 2", 120)
-        await group.client.wait_for_engines(2, timeout=60)
-        served = await group.served_by_each()
-        assert len(served) == 2 and all(served.values()), served
+        await group.rejoin(1)
         assert alone.poll() is None

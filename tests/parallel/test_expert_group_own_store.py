@@ -26,9 +26,5 @@ async def test_rank_zeros_loss_is_survived_and_its_restart_joins(tmp_path):
         served = await group.served_by_each()
         assert len(served) == 2 and all(served.values()), served
 
-        joiner = group.engine(0)  # the lost rank's restart: the same command, the same rendezvous
-        await group.logged(joiner, "expert-parallel rank 0 is rank 0 of 3", 120)
-        await group.client.wait_for_engines(3, timeout=60)
-        served = await group.served_by_each()
-        assert len(served) == 3 and all(served.values()), served
+        await group.rejoin(0)
         assert first.poll() is None and second.poll() is None

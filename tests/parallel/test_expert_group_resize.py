@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from .expert_group_stack import RANKS, expert_group
+from .expert_group_stack import KILLED, RANKS, expert_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KILLED = 2
 TOKENS = 32
 
 
@@ -26,13 +25,9 @@ async def test_the_lost_rank_restarted_joins_the_running_group_and_serves(tmp_pa
     async with expert_group(tmp_path, TOKENS) as group:
         survivors = await group.kill_mid_stream(KILLED)
 
-        joiner = group.engine(KILLED)  # the lost rank's restart: the same command, the same rendezvous
-        await group.logged(joiner, f"expert-parallel rank {KILLED} is rank {KILLED} of {RANKS}", 120)
+        joiner = await group.rejoin(KILLED)  # every rank serves, the joiner among them
         for rank, survivor in zip([r for r in range(RANKS) if r != KILLED], survivors):
             await group.logged(survivor, f"expert-parallel rank {rank} is rank {rank} of {RANKS}", 30)
-        await group.client.wait_for_engines(RANKS, timeout=60)
-        served = await group.served_by_each()
-        assert len(served) == RANKS and all(served.values()), served  # the joiner among them
         assert all(engine.poll() is None for engine in survivors)
         group.engines[KILLED] = joiner
         await group.kill_mid_stream(1)  # a loss after the join: the three left, the joiner among them, serve on
@@ -51,8 +46,4 @@ async def test_scale_ep_shrinks_the_group_mid_stream_and_its_restart_joins_again
         served = await group.served_by_each()
         assert len(served) == RANKS - 1 and all(served.values()), served
 
-        joiner = group.engine(RANKS - 1)  # scale back up: the rank's engine started again joins
-        await group.logged(joiner, f"expert-parallel rank {RANKS - 1} is rank {RANKS - 1} of {RANKS}", 120)
-        await group.client.wait_for_engines(RANKS, timeout=60)
-        served = await group.served_by_each()
-        assert len(served) == RANKS and all(served.values()), served
+        await group.rejoin(RANKS - 1)  # scale back up: the rank's engine started again joins
