@@ -22,7 +22,7 @@ from .parity.options import add_options
 # (docs/testing.md). Set before a test module imports torch; every process a test starts inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One intra-op thread a process, but in the folders whose tests are about arithmetic under threads
-# (tests/threads.py): three workers, each with engines and ranks of their own, keep two cores busy without a second
+# (tests/threads.py): the workers, each with engines and ranks of their own, keep two cores busy without a second
 # OpenMP thread in each process, which only added synchronisation (docs/testing.md has the figures).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # oneDNN below AMX in every process of the suite, as the batch-invariant mode sets it for its own process
