@@ -138,10 +138,13 @@ async def test_a_small_request_beside_a_large_answer_keeps_its_pace(tokenizer, b
         gc.unfreeze()
 
 
-#: How many times the large answer is fetched beside the small completions. Serializing the whole answer on the
-#: event loop stalls the small ones every time; a stall of the host's scheduler (three workers on two cores) hits one
-#: fetch now and then: the bound holds for the best of the fetches.
+#: At most how many times the large answer is fetched beside the small completions. Serializing the whole answer on
+#: the event loop stalls the small ones every time; a stall of the host's scheduler (three workers on two cores) hits
+#: one fetch now and then: the bound holds for the best of the fetches, so the fetches stop at the first within it
+#: (the best can only improve with more; the whole answer made on the loop never gets within it).
 FETCHES = 3
+#: The bound on the worst small completion's wait, as a share of the large answer's time.
+WORST_SHARE = 1 / 25
 
 
 async def _beside(tokenizer, backend, large: dict, small: dict) -> None:
@@ -172,6 +175,8 @@ async def _beside(tokenizer, backend, large: dict, small: dict) -> None:
             await task
             assert received > 10_000_000 and len(beside) >= 3
             fetches.append((max(beside) / (time.perf_counter() - large_started), max(beside), len(beside)))
+            if fetches[-1][0] < WORST_SHARE:
+                break
     # The small completions ran all along the large answer, none waiting for more than a sliver of it (made whole
     # and serialized on the event loop, as before, the worst waited about a tenth of it: the serialization)
-    assert min(share for share, _, _ in fetches) < 1 / 25, (statistics.median(alone), fetches)
+    assert min(share for share, _, _ in fetches) < WORST_SHARE, (statistics.median(alone), fetches)
