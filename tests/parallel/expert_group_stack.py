@@ -68,11 +68,12 @@ class ExpertGroup:
         tasks = await self.in_flight()
         survivors = [engine for d, engine in enumerate(self.engines) if d != rank]
         pids = [engine.pid for engine in survivors]
+        said = [len(self.children.log_of(engine)) for engine in survivors]  # a regroup before this kill does not count
         self.engines[rank].kill()
         await self.completed(tasks)
         assert [engine.pid for engine in survivors if engine.poll() is None] == pids  # none restarted, none gone
-        for d, engine in zip([d for d in range(self.ranks) if d != rank], survivors):
-            log = self.children.log_of(engine)
+        for d, engine, since in zip([d for d in range(self.ranks) if d != rank], survivors, said):
+            log = self.children.log_of(engine)[since:]
             assert f"expert-parallel rank {d} is rank" in log, log[-3000:]
         return survivors
 
@@ -96,11 +97,12 @@ class ExpertGroup:
     async def _completed_by_engine(self) -> dict[str, int]:
         return {engine["id"]: engine["completed"] for engine in (await self.client.status())["engines"]}
 
-    async def logged(self, proc: subprocess.Popen, text: str, timeout: float) -> None:
-        """Poll ``proc``'s log until it says ``text``; fails at once when ``proc`` exits. Awaited: the client's
-        connection runs on the same event loop and must keep answering meanwhile."""
+    async def logged(self, proc: subprocess.Popen, text: str, timeout: float, since: int = 0) -> None:
+        """Poll ``proc``'s log until it says ``text`` (past its first ``since`` characters: what it said before does
+        not count); fails at once when ``proc`` exits. Awaited: the client's connection runs on the same event loop
+        and must keep answering meanwhile."""
         deadline = time.monotonic() + timeout
-        while text not in self.children.log_of(proc):
+        while text not in self.children.log_of(proc)[since:]:
             assert proc.poll() is None and time.monotonic() < deadline, self.children.log_of(proc)[-3000:]
             await asyncio.sleep(0.05)
 

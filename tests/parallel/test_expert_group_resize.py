@@ -12,38 +12,48 @@ uninterrupted run):
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
+import pytest_asyncio
 
-from .expert_group_stack import KILLED, RANKS, expert_group
+from .expert_group_stack import KILLED, RANKS, ExpertGroup, expert_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# One stack for the module: the scale test leaves its four ranks serving, and the loss test, which ends one for good,
+# comes after it (a stack's start, four engine processes importing torch, was half of each test's CPU).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
 
 TOKENS = 32
 
 
-async def test_the_lost_rank_restarted_joins_the_running_group_and_serves(tmp_path):
-    async with expert_group(tmp_path, TOKENS) as group:
-        survivors = await group.kill_mid_stream(KILLED)
-
-        joiner = await group.rejoin(KILLED)  # every rank serves, the joiner among them
-        for rank, survivor in zip([r for r in range(RANKS) if r != KILLED], survivors):
-            await group.logged(survivor, f"expert-parallel rank {rank} is rank {rank} of {RANKS}", 30)
-        assert all(engine.poll() is None for engine in survivors)
-        group.engines[KILLED] = joiner
-        await group.kill_mid_stream(1)  # a loss after the join: the three left, the joiner among them, serve on
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def group(tmp_path_factory) -> AsyncIterator[ExpertGroup]:
+    async with expert_group(tmp_path_factory.mktemp("resize"), TOKENS) as group:
+        yield group
 
 
-async def test_scale_ep_shrinks_the_group_mid_stream_and_its_restart_joins_again(tmp_path):
-    async with expert_group(tmp_path, TOKENS) as group:
-        tasks = await group.in_flight()
-        ack = await group.client.scale_ep(RANKS - 1)
-        assert ack["detail"]["wanted"] == RANKS - 1 and len(ack["detail"]["leaving"]) == 1, ack
-        await group.completed(tasks)
-        left = group.engines[RANKS - 1]
-        assert left.wait(timeout=60) == 0, group.children.log_of(left)[-3000:]
-        for rank in range(RANKS - 1):
-            await group.logged(group.engines[rank], f"expert-parallel rank {rank} is rank {rank} of {RANKS - 1}", 30)
-        served = await group.served_by_each()
-        assert len(served) == RANKS - 1 and all(served.values()), served
+async def test_scale_ep_shrinks_the_group_mid_stream_and_its_restart_joins_again(group):
+    tasks = await group.in_flight()
+    ack = await group.client.scale_ep(RANKS - 1)
+    assert ack["detail"]["wanted"] == RANKS - 1 and len(ack["detail"]["leaving"]) == 1, ack
+    await group.completed(tasks)
+    left = group.engines[RANKS - 1]
+    assert left.wait(timeout=60) == 0, group.children.log_of(left)[-3000:]
+    for rank in range(RANKS - 1):
+        await group.logged(group.engines[rank], f"expert-parallel rank {rank} is rank {rank} of {RANKS - 1}", 30)
+    served = await group.served_by_each()
+    assert len(served) == RANKS - 1 and all(served.values()), served
 
-        await group.rejoin(RANKS - 1)  # scale back up: the rank's engine started again joins
+    group.engines[RANKS - 1] = await group.rejoin(RANKS - 1)  # scale back up: the rank's engine started again joins
+
+
+async def test_the_lost_rank_restarted_joins_the_running_group_and_serves(group):
+    survivors = await group.kill_mid_stream(KILLED)
+
+    said = [len(group.children.log_of(survivor)) for survivor in survivors]  # the scale test's joins do not count
+    joiner = await group.rejoin(KILLED)  # every rank serves, the joiner among them
+    for rank, survivor, since in zip([r for r in range(RANKS) if r != KILLED], survivors, said):
+        await group.logged(survivor, f"expert-parallel rank {rank} is rank {rank} of {RANKS}", 30, since)
+    assert all(engine.poll() is None for engine in survivors)
+    group.engines[KILLED] = joiner
+    await group.kill_mid_stream(1)  # a loss after the join: the three left, the joiner among them, serve on
