@@ -107,3 +107,16 @@ class Load:
         return (f"{label}: {took:.0f}s, {self.finished} streams finished, {len(self.failed)} failed, {self.truncated} "
                 f"truncated, {self.repeated} repeated, {self.different} differ from an uninterrupted run; longest gap "
                 f"{self.worst_gap:.1f}s")
+
+
+async def uninterrupted(client: InferenceClient, timeout: float, *, check: Callable[[], None] = lambda: None,
+                        context: Callable[[], str] = lambda: "") -> dict[int, list[int]]:
+    """The uninterrupted run a scenario's loads are compared with: each slot's answer, then the same answer again;
+    returns each slot's answer (the loads' ``expected``). ``check``, ``context``: as :meth:`Load.run_until`'s."""
+    expected: dict[int, list[int]] = {}
+    warm = Load(client, expected)
+    await warm.run_until(lambda: len(expected) == STREAMS and warm.finished >= 2 * STREAMS, timeout,
+                         f"{2 * STREAMS} streams of the uninterrupted run, each slot's among them", check=check,
+                         context=context)
+    assert warm.failed == [] and warm.finished > 0, warm.failed[:3]
+    return expected

@@ -23,17 +23,17 @@ import json
 import pathlib
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from megatron_serve.client.coordinator_client import InferenceClient
 from tests.helpers import Children, free_port, metric_by_engine_group
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
-from .real_kubelet import Kubelet
-from .real_load import STREAMS, Load
+from .real_engines import EnginesHere, engines_here  # noqa: F401 - the fixture
+from .real_load import STREAMS, Load, uninterrupted
 from .real_tools import condition, service_account_kubeconfig, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -117,8 +117,8 @@ class Adapter:
                                check=False)
 
 
-def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(fleet: Fleet, tiny_model: str,
-                                                                            tmp_path: pathlib.Path):
+def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(
+        fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path, engines_here: Callable[[int, str], EnginesHere]):
     kubectl = fleet.kubectl
     port, http_port = free_port(), free_port()
     resource = fleet.tiny_resource(NAME, tiny_model)
@@ -127,15 +127,14 @@ def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(fle
     fleet.prerequisites(resource)
     fleet.operator(MEGATRON_OPERATOR_COORDINATOR_ADDRESS=f"tcp://127.0.0.1:{port}")
     kubectl.apply([resource])
-    token = fleet.coordinator_token(NAME)
-    children = Children(tmp_path)
-    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
-    children.coordinator(tiny_model, port, env=env)
-    children.spawn(["server", "--model", tiny_model, "--coordinator", f"tcp://127.0.0.1:{port}", "--host",
-                    "127.0.0.1", "--port", str(http_port)], "server", env)
+    here = engines_here(port, NAME)
+    kubelet = here.kubelet
+    here.children.spawn(["server", "--model", tiny_model, "--coordinator", here.address, "--host", "127.0.0.1",
+                         "--port", str(http_port)], "server", here.env)
     server = f"http://127.0.0.1:{http_port}"
-    kubelet = Kubelet(fleet, children, tiny_model, port, env, name=NAME).start()
-    adapter = Adapter(fleet, children, tmp_path, f"{server}/metrics")
+    adapter = Adapter(fleet, here.children, tmp_path, f"{server}/metrics")
+    here.cleanup.callback(kubectl.run, "delete", "hpa", NAME, "--ignore-not-found", check=False)
+    here.cleanup.callback(adapter.close)
 
     def groups() -> int:
         return int(fleet.mi(NAME)["spec"]["parallelism"]["data"])
@@ -159,15 +158,9 @@ def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(fle
         await load.run_until(done, PHASE_TIMEOUT, what, check=kubelet.check, context=kubelet.describe)
 
     async def scenario() -> None:
-        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=token)
-        await client.start(timeout=60)
-        try:
+        async with here.client() as client:
             await asyncio.to_thread(until, lambda: settled(1), PHASE_TIMEOUT, "one engine group serving")
-            expected: dict[int, list[int]] = {}
-            warm = Load(client, expected)  # the uninterrupted run: each slot's answer, then the same answer again
-            await under_load(warm, lambda: len(expected) == STREAMS and warm.finished >= 2 * STREAMS,
-                             f"{2 * STREAMS} streams of the uninterrupted run, each slot's among them")
-            assert warm.failed == [] and warm.finished > 0, warm.failed[:3]
+            expected = await uninterrupted(client, PHASE_TIMEOUT, check=kubelet.check, context=kubelet.describe)
 
             # The control: the HPA under load, with no custom-metrics API registered. Past its condition, a sync
             # period more: it keeps its one group under the whole load.
@@ -243,13 +236,5 @@ def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(fle
             assert counts[:2] == [1, MAX_GROUPS] and counts[-1] == 1 and down_only, counts
             assert [p.returncode for p in gone] == [0] * (MAX_GROUPS - 1)
             assert [m.split(";")[0] for m in rescales] == [f"New size: {MAX_GROUPS}", "New size: 1"], rescales
-        finally:
-            client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        kubelet.stop()
-        adapter.close()
-        children.kill_all()
-        kubectl.run("delete", "hpa", NAME, "--ignore-not-found", check=False)
+    asyncio.run(scenario())

@@ -26,19 +26,17 @@ the recreate's; both printed: about 1 s against 10-19 s on this project's loaded
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from megatron_serve.client.coordinator_client import InferenceClient
-from tests.helpers import Children, free_port
+from tests.helpers import free_port
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
-from .real_kubelet import Kubelet
+from .real_engines import EnginesHere, engines_here  # noqa: F401 - the fixture
 from .real_load import Load
 from .real_tools import until
 
@@ -80,7 +78,7 @@ def _older_statefulset(fleet: Fleet) -> str:
 
 
 def test_an_immutable_field_recreate_keeps_the_pods_and_the_streams_in_flight(
-        fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path):
+        fleet: Fleet, tiny_model: str, engines_here: Callable[[int, str], EnginesHere]):
     kubectl = fleet.kubectl
     port = free_port()
     resource = fleet.tiny_resource(NAME, tiny_model)
@@ -88,16 +86,11 @@ def test_an_immutable_field_recreate_keeps_the_pods_and_the_streams_in_flight(
     address = {"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": f"tcp://127.0.0.1:{port}"}
     first = fleet.operator(**address)
     kubectl.apply([resource])
-    token = fleet.coordinator_token(NAME)
-    children = Children(tmp_path)
-    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
-    children.coordinator(tiny_model, port, env=env)
-    kubelet = Kubelet(fleet, children, tiny_model, port, env, name=NAME).start()
+    here = engines_here(port, NAME)
+    kubelet = here.kubelet
 
     async def scenario() -> None:
-        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=token)
-        await client.start(timeout=60)
-        try:
+        async with here.client() as client:
             await asyncio.to_thread(until, lambda: (kubelet.check(), kubelet.serving(1))[1], SCENARIO_TIMEOUT,
                                     "the engine pod Running with its engine serving")
             await asyncio.to_thread(until, lambda: ((fleet.mi(NAME) or {}).get("status") or {}).get("phase")
@@ -152,11 +145,5 @@ def test_an_immutable_field_recreate_keeps_the_pods_and_the_streams_in_flight(
                                        "a new pod with a new engine serving")
             assert pod in kubelet.told and len(kubelet.engines) == 2
             assert control.worst_gap > load.worst_gap  # the streams waited for the new engine
-        finally:
-            client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        kubelet.stop()
-        children.kill_all()
+    asyncio.run(scenario())
