@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, EventType, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.wire.tenancy import TenantTag
 
@@ -19,18 +20,22 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=T
 BULK, CHAT = TenantTag("bulk", "sheddable"), TenantTag("chat", "critical")
 
 
-@pytest.mark.parametrize("async_scheduling, tagged, policy", [(True, True, "fcfs"), (False, True, "fcfs"),
-                                                                (True, False, "fcfs"), (True, False, "priority")])
+@pytest.mark.parametrize("async_scheduling, tagged, policy, speculative", [
+    (True, True, "fcfs", False), (False, True, "fcfs", False), (True, True, "fcfs", True),
+    (True, False, "fcfs", False), (True, False, "priority", False)])
 def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_are_unchanged(tiny_llama,
                                                                                           async_scheduling, tagged,
-                                                                                          policy):
+                                                                                          policy, speculative):
     """``tagged`` False: the same requests without tenants, the last with priority -5, which waits for a slot under
-    the default policy (the control) and preempts as a better class does under vLLM's ``priority`` policy."""
+    the default policy (the control) and preempts as a better class does under vLLM's ``priority`` policy.
+    ``speculative``: n-gram speculation on, so that the step read at once may be a verify step."""
     preempts = tagged or policy == "priority"
     prompts = PROMPTS[:4] + [PROMPTS[4 % len(PROMPTS)] + " now"]
     reference = [o.generated_tokens for o in MegatronLLM(tiny_llama).generate(prompts, GREEDY)]
     engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(
-        max_requests=4, block_size_tokens=16, async_scheduling=async_scheduling, scheduling_policy=policy))
+        max_requests=4, block_size_tokens=16, async_scheduling=async_scheduling, scheduling_policy=policy,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                                             prompt_lookup_max=3) if speculative else None))
     requests = [DynamicInferenceRequest(request_id=f"r{i}", prompt=p, prompt_tokens=engine.tokenizer.encode(p),
                                         sampling_params=msgspec.structs.replace(
                                             GREEDY, **({"tenant": BULK if i < 4 else CHAT} if tagged
