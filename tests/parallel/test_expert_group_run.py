@@ -7,9 +7,9 @@ which exits 0 and is not restarted, and ``control scale-ep --size 3`` brings it 
 the coordinator's STATUS, starts the rank again, it joins, ``control status`` says 3 of 3, and the three serve.
 
 Both tests (a lost rank 1, a lost rank 0) run on one stack, which each leaves as it found it (3 of 3 ranks serving):
-a stack's start (the run, its coordinator and three engine processes, each importing torch) cost most of a test's
-CPU. What a test waits for in the run's and engines' output is what it adds there (:func:`said`), not what the test
-before it left."""
+a stack's start (the run loading its tokenizer, the coordinator, the rendezvous store and three engines importing
+torch) was half of a test's CPU. What a test waits for in the run's and engines' output is what it adds there
+(:func:`said`), not what the test before it left."""
 
 from __future__ import annotations
 
