@@ -23,9 +23,8 @@ BULK, CHAT = TenantTag("bulk", "sheddable"), TenantTag("chat", "critical")
 @pytest.mark.parametrize("async_scheduling, tagged, policy, speculative", [
     (True, True, "fcfs", False), (False, True, "fcfs", False), (True, True, "fcfs", True),
     (True, False, "fcfs", False), (True, False, "priority", False)])
-def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_are_unchanged(tiny_llama,
-                                                                                          async_scheduling, tagged,
-                                                                                          policy, speculative):
+def test_a_critical_requests_first_token_leaves_with_the_step_that_takes_a_slot_and_preempted_streams_are_unchanged(
+        tiny_llama, async_scheduling, tagged, policy, speculative):
     """``tagged`` False: the same requests without tenants, the last with priority -5, which waits for a slot under
     the default policy (the control) and preempts as a better class does under vLLM's ``priority`` policy.
     ``speculative``: n-gram speculation on, so that the step read at once may be a verify step."""
