@@ -310,21 +310,21 @@ def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
     assert sched.allocator.num_free == sched.allocator.num_blocks
 
 
+def first_step_of_two_long_prompts_and_a_short_one(threshold: int) -> dict[str, int]:
+    """What a 16-token step with the long-prefill ``threshold`` computes of prompts of 40, 30 and 3 tokens."""
+    sched = scheduler(budget=16, threshold=threshold)
+    for name, length in (("long", 40), ("other", 30), ("short", 3)):
+        sched.add_request(request(name, length))
+    return play(sched)[0]
+
+
 def test_a_long_prompt_shares_its_steps_above_the_threshold():
-    sched = scheduler(budget=16, threshold=8)
-    sched.add_request(request("long", 40))
-    sched.add_request(request("other", 30))
-    sched.add_request(request("short", 3))
     # one long prompt gets its chunk of 8 in the fair pass, the short one its prompt, the rest goes to the first
-    assert play(sched)[0] == {"long": 13, "short": 3}
+    assert first_step_of_two_long_prompts_and_a_short_one(8) == {"long": 13, "short": 3}
 
 
 def test_control_without_the_threshold_the_first_long_prompt_takes_the_budget():
-    sched = scheduler(budget=16, threshold=0)
-    sched.add_request(request("long", 40))
-    sched.add_request(request("other", 30))
-    sched.add_request(request("short", 3))
-    assert play(sched)[0] == {"long": 16}
+    assert first_step_of_two_long_prompts_and_a_short_one(0) == {"long": 16}
 
 
 def test_take_unfinished_hands_requests_back_with_their_tokens_and_frees_everything():

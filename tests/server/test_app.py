@@ -326,6 +326,17 @@ def stream_body(path: str, **fields) -> dict:
     return {"model": MODEL, "prompt": "Hi", "stream": True, **fields}
 
 
+def failed_request(request_id: str | None, prompt: list[int], params, error: str, prefilled: bool
+                   ) -> DynamicInferenceRequest:
+    """The record of a request the engine ended with ``error``: after running it (``prefilled``), or refused before."""
+    request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
+                                      sampling_params=params)
+    if prefilled:
+        request.add_event(EventType.PREFILL)
+    request.fail(error, FinishReason.ERROR)
+    return request
+
+
 def fail_streams(backend: FakeBackend, after: int, *, prefilled: bool) -> None:
     """Each engine stream sends ``after`` one-token pieces, then a failed record: an engine that failed
     while generating (``prefilled``), or that refused the request before running it."""
@@ -333,12 +344,7 @@ def fail_streams(backend: FakeBackend, after: int, *, prefilled: bool) -> None:
     async def failing(prompt, params, *, request_id=None):
         for i in range(after):
             yield StreamPartial(request_id, [FakeBackend.next_token(prompt, i, params.seed)], "ab", [-0.5])
-        request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
-                                          sampling_params=params)
-        if prefilled:
-            request.add_event(EventType.PREFILL)
-        request.fail("out of KV blocks", FinishReason.ERROR)
-        yield request
+        yield failed_request(request_id, prompt, params, "out of KV blocks", prefilled)
 
     backend.add_request_streaming = failing
 
@@ -455,13 +461,8 @@ async def test_stop_sequences_and_logprob_shapes(tokenizer, backend):
 
 async def test_engine_refusal_is_400_and_engine_failure_is_500(tokenizer, backend):
     def failing(prompt, params, *, request_id=None, prefilled=False):
-        request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
-                                          sampling_params=params)
-        if prefilled:
-            request.add_event(EventType.PREFILL)
-        request.fail("request needs 99 KV blocks", FinishReason.ERROR)
         future = asyncio.get_running_loop().create_future()
-        future.set_result(request)
+        future.set_result(failed_request(request_id, prompt, params, "request needs 99 KV blocks", prefilled))
         return future
 
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
