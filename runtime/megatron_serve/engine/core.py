@@ -235,13 +235,11 @@ class DynamicInferenceEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
-        """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
-        launched by the previous call, after this call launched the next (its outputs come one call later).
-        With speculation on, the K policy first puts each decode-ready request's drafts in the step
+        """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one launched by
+        the previous call, after this call launched the next (its outputs come one call later), but a step in which a
+        better class displaced a worse one is read at once (``ScheduledBatch.displacing`` says why). With speculation
+        on, the K policy first puts each decode-ready request's drafts in the step
         (:meth:`~.speculative.decoder.Speculator.begin`): a verify step, overlapped too unless it must be read at once.
-        A step in which a request of a better class displaced a worse one (``ScheduledBatch.displacing``) is finished in
-        the call that launched it: the request that took the slot asked for latency, and one step without overlap
-        gives it its first token a step sooner (under a flood, one whole batch's step less to wait).
         """
         speculator, scheduler = self.speculator, self.scheduler
         ks, at_once = (None, False) if speculator is None else speculator.begin(scheduler.running, scheduler.waiting,
