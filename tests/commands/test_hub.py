@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,8 +104,10 @@ def test_generate_serves_a_hub_id_from_the_cache_offline_with_the_tokenizer_from
                "--ignore-eos", "Hello", env=env)
     assert done.returncode == 0, done.stderr
     assert f"loading model from {snapshot}" in done.stderr and "3 tokens in" in done.stderr
-    without = cli("generate", "--model", "org/tiny-llama", "--max-tokens", "3", "Hello", env=env)
+    without = cli("generate", "--model", "org/tiny-llama", "--max-tokens", "3", "Hello",
+                  env={**env, "PYTHONPROFILEIMPORTTIME": "1"})
     assert without.returncode == 1 and "no tokenizer.json or tokenizer_config.json" in without.stderr
+    assert not re.search(r"\| +torch$", without.stderr, re.MULTILINE)  # refused before the model's imports
 
 
 @pytest.mark.slow

@@ -21,7 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..generation_config import GenerationDefaults  # noqa: PLC0415
-    from ..client.llm import MegatronLLM  # noqa: PLC0415 - torch import only when generating
 
     resolve_model_args(args)
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
@@ -34,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
         print(defaults.describe(), file=sys.stderr)
     images = [Path(path).read_bytes() for path in args.image]  # a missing file fails before the model loads
     prompts = [{"prompt": p, "images": images} for p in args.prompts] if images else args.prompts
+    # torch's import only once every check above has passed: a refused command stays as quick as a usage error
+    from ..client.llm import MegatronLLM  # noqa: PLC0415
+
     started = time.perf_counter()
     print(f"loading model from {args.model} ...", file=sys.stderr, flush=True)
     llm = MegatronLLM(args.model, inference_config_from_args(args), tokenizer=args.tokenizer,
