@@ -59,20 +59,26 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
                               "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
-def report(path: str) -> None:
-    """CPU and wall time by file, the most CPU first; then when each worker ran out of files (a late finish is a
-    long file picked up late: the suite's tail)."""
-    by_file: dict[str, float] = collections.Counter()
-    wall_by_file: dict[str, float] = collections.Counter()
+def by_file_and_worker(path: str) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
+    """Each file's CPU and wall seconds, and each worker's first start and last end (for rows that carry them)."""
+    cpu: dict[str, float] = collections.Counter()
+    wall: dict[str, float] = collections.Counter()
     spans: dict[str, list[float]] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
         name = row["test"].split("::")[0]
-        by_file[name] += row["cpu_s"]
-        wall_by_file[name] += row.get("wall_s", 0.0)
+        cpu[name] += row["cpu_s"]
+        wall[name] += row.get("wall_s", 0.0)
         if "end" in row:
             span = spans.setdefault(row["worker"], [row["end"] - row["wall_s"], row["end"]])
             span[0], span[1] = min(span[0], row["end"] - row["wall_s"]), max(span[1], row["end"])
+    return cpu, wall, spans
+
+
+def report(path: str) -> None:
+    """CPU and wall time by file, the most CPU first; then when each worker ran out of files (a late finish is a
+    long file picked up late: the suite's tail)."""
+    by_file, wall_by_file, spans = by_file_and_worker(path)
     total = sum(by_file.values())
     print(f"{total:8.0f} s CPU in all")
     for name, spent in sorted(by_file.items(), key=lambda kv: -kv[1]):
@@ -116,16 +122,7 @@ def predict(path: str, counts: list[int], cores: float = 2.0) -> None:
     boost is the one that makes the model take as long as this run did with this run's workers, in the order
     ``tests/conftest.py`` gives the files. Waiting files (the real cluster's) leave cores to the others; more
     workers fill them, and contend where there were none to fill."""
-    cpu: dict[str, float] = collections.Counter()
-    wall: dict[str, float] = collections.Counter()
-    spans: dict[str, list[float]] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        name = row["test"].split("::")[0]
-        cpu[name] += row["cpu_s"]
-        wall[name] += row["wall_s"]
-        span = spans.setdefault(row["worker"], [row["end"] - row["wall_s"], row["end"]])
-        span[0], span[1] = min(span[0], row["end"] - row["wall_s"]), max(span[1], row["end"])
+    cpu, wall, spans = by_file_and_worker(path)
     measured = max(last for _, last in spans.values()) - min(first for first, _ in spans.values())
     weights = json.loads((Path(__file__).parents[1] / "tests" / "file_weights.json").read_text())
     order = sorted(cpu, key=lambda name: -weights.get(name, 0.0))
