@@ -159,8 +159,12 @@ def test_help_answers_in_a_fresh_process_without_heavy_imports(name):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert "usage: megatron-serve" in done.stdout
     assert "HEAVY []" in done.stderr, done.stderr
-    cheapest = min(_help_cpu_seconds(name) for _ in range(3))
-    assert cheapest < 1.5, f"`megatron-serve {name} --help` took {cheapest:.2f} s of CPU"
+    # The best of up to three runs (a loaded host can stretch one): they stop at the first within the bound, which
+    # more runs could only meet again; a heavy import misses it every time and runs all three.
+    spent = []
+    while len(spent) < 3 and (not spent or spent[-1] >= 1.5):
+        spent.append(_help_cpu_seconds(name))
+    assert min(spent) < 1.5, f"`megatron-serve {name} --help` took {min(spent):.2f} s of CPU (runs: {spent})"
 
 
 def _help_cpu_seconds(name: str) -> float:
