@@ -8,7 +8,6 @@ and more experts than (token, expert) pairs.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import torch.nn.functional as F
 from megatron_kernels import invariant, reference
 from megatron_kernels import triton_ops as tri
 from megatron_kernels.triton_moe import align_by_expert
+
+from tests.helpers import script_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -137,12 +138,17 @@ def test_align_by_expert_sorts_and_pads_every_pair_once():
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_moe.py"
 
 
-def test_benchmark_runs_and_the_reference_equals_transformers_experts():
+def test_benchmark_runs_and_the_reference_equals_transformers_experts(monkeypatch, capsys):
     """``benchmarks/fused_moe.py`` checks every implementation against ``transformers``' experts before
-    timing it: run tiny, it must print a row per token count (so it cannot rot unnoticed)."""
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--hidden", "64", "--intermediate", "32", "--experts",
-                             "6", "--top-k", "2", "--tokens", "1", "5", "--iters", "1"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s.*\(\s*[\d.]+x\)", result.stdout, re.M)
-    assert [int(tokens) for tokens in rows] == [1, 5], result.stdout
+    timing it: run tiny, it must print a row per token count (so it cannot rot unnoticed). Its ``main`` runs in this
+    process, whose torch it shares: a process of its own spent nearly all its CPU importing torch and
+    ``transformers``. Its folder goes on the path after everything else, as a script run from it has its siblings;
+    its seed stays inside it (``fork_rng``)."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCHMARK.parent)])
+    with torch.random.fork_rng(), script_module("fused_moe_benchmark", BENCHMARK) as benchmark:
+        code = benchmark.main(["--hidden", "64", "--intermediate", "32", "--experts", "6", "--top-k", "2",
+                               "--tokens", "1", "5", "--iters", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s.*\(\s*[\d.]+x\)", out, re.M)
+    assert [int(tokens) for tokens in rows] == [1, 5], out
