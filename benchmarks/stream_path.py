@@ -206,6 +206,10 @@ class SocketDouble:
         self.sent.append(frame)
         self.progress.poke(self)
 
+    def get(self, option: int) -> int:
+        """``EVENTS``: nothing waits to be read (the benchmark hands each frame to the link itself)."""
+        return 0
+
     def watch(self, on: bool) -> None:
         pass
 
@@ -258,7 +262,7 @@ class Bench:
         client._started = True
         self.link = link = client._link
         link._loop, link._wake = client._loop, asyncio.Event()
-        link._sock = self.socket = SocketDouble(self.progress)
+        link._sock = link._plain = self.socket = SocketDouble(self.progress)  # the link sends through _plain
         link._receive(encode(Header.HELLO_ACK, {"coordinator_id": "bench", "state": "RUNNING",
                                                   "protocol": PROTOCOL_VERSION}))
         self.client = client
@@ -282,7 +286,7 @@ class Bench:
 
     async def stop(self) -> None:
         await self._lifespan.__aexit__(None, None, None)
-        self.link._sock = None
+        self.link._sock = self.link._plain = None
         self.client.close()
 
     def _answer_status(self) -> None:
