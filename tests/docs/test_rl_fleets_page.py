@@ -8,10 +8,7 @@ tensor-parallel shards of a new checkpoint (Hugging Face names). Afterwards the 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..helpers import Children, free_port, hosted_rendezvous
+from ..weights.forked import run_forked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -79,14 +77,13 @@ async def test_the_pages_sharded_refit_runs_as_written(tiny_model, tmp_path):
                                                                           for p in PROMPTS))]
             assert before != expected  # the control: the fleet serves the old checkpoint
             with hosted_rendezvous(2) as meeting:
-                env = {**os.environ, **meeting, "WORLD_SIZE": "2", "MEGATRON_SERVE_COORDINATOR": address,
+                # each rank a process of its own, forked from the worker's fork server (torch imported there once)
+                env = {**meeting, "WORLD_SIZE": "2", "MEGATRON_SERVE_COORDINATOR": address,
                        "MEGATRON_SERVE_TOKEN": children.secret, "NEW_CHECKPOINT": new}
-                ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank)},
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                         for rank in range(2)]
-                done = [await asyncio.to_thread(rank.communicate, timeout=300) for rank in ranks]
-            assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in done]
-            sent = dict(line.split() for out, _ in done for line in out.splitlines())
+                done = await asyncio.to_thread(run_forked, script, [[], []], env, 300,
+                                               [{"RANK": str(rank)} for rank in range(2)])
+            assert [rank.code for rank in done] == [0, 0], [rank.stderr[-2000:] for rank in done]
+            sent = dict(line.split() for rank in done for line in rank.stdout.splitlines())
             assert set(sent) == {"0", "1"} and all(int(b) > 0 for b in sent.values())  # each rank sent its own
             status = await client.status()
             assert status["state"] == "RUNNING" and status["epoch"] == 7

@@ -51,13 +51,17 @@ def _main(script: str, argv: list[str], env: dict[str, str], out: str | None, er
     runpy.run_path(script, run_name="__main__")
 
 
-def run_forked(script: Path, argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[Ended]:
+def run_forked(script: Path, argvs: list[list[str]], env: dict[str, str], timeout: float,
+               own_envs: list[dict[str, str]] | None = None) -> list[Ended]:
     """``script`` once per argv, side by side, each in a process of its own; how each ended, in order. One still
-    running after ``timeout`` seconds is killed (and reads as killed)."""
+    running after ``timeout`` seconds is killed (and reads as killed). ``own_envs``: each process's variables over
+    ``env`` (a rank's ``RANK``, as a launcher sets it), one per argv."""
+    own_envs = own_envs if own_envs is not None else [{} for _ in argvs]
+    assert len(own_envs) == len(argvs), "own_envs: one environment per argv"
     with tempfile.TemporaryDirectory(prefix="forked-") as logs:
         paths = [(os.path.join(logs, f"{i}.out"), os.path.join(logs, f"{i}.err")) for i in range(len(argvs))]
-        procs = [_CONTEXT.Process(target=_main, args=(str(script), argv, env, *path), daemon=True)
-                 for argv, path in zip(argvs, paths)]
+        procs = [_CONTEXT.Process(target=_main, args=(str(script), argv, {**env, **own}, *path), daemon=True)
+                 for argv, own, path in zip(argvs, own_envs, paths)]
         for proc in procs:
             proc.start()
         try:
