@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import pathlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +140,28 @@ class Fleet:
 
     def engine_pods(self, name: str) -> list[dict[str, Any]]:
         return self.kubectl.get("pods", None, f"-l={names.engine_pod_selector(name)}")
+
+    def images(self, name: str) -> set[str]:
+        """The images the resource's engine StatefulSets and coordinator Deployment carry now (which operator wrote
+        them, where each writes its own default image)."""
+        workloads = [*(self.kubectl.get("statefulsets", None, f"-l=app.kubernetes.io/instance={name}")),
+                     self.kubectl.get("deployment", f"{name}-coordinator") or {"spec": {"template": {"spec": {}}}}]
+        return {c["image"] for w in workloads for c in w["spec"]["template"]["spec"].get("containers", [])}
+
+    def watch_images(self, name: str, seconds: float, enough: frozenset[str] = frozenset()) -> set[str]:
+        """Every image seen on the workloads during ``seconds`` (each operator passes every second), or until all of
+        ``enough`` were seen (a test that looks for images need not wait out the span; one that rules them out must)."""
+        seen: set[str] = set()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (enough and seen >= enough):
+            seen |= self.images(name)
+            time.sleep(0.3)
+        return seen
+
+    def placed(self, name: str, count: int) -> bool:
+        """``count`` engine pods of one GPU each, each on a node with room for it."""
+        pods = self.engine_pods(name)
+        return len(pods) == count and not placement_problems(self.kubectl, pods, 1)
 
     def owned(self, uid: str) -> list[str]:
         """Every object in the namespace whose ownerReferences lead to ``uid`` (directly or through a workload)."""

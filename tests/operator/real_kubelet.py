@@ -273,12 +273,7 @@ def start_pod(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ip: str) ->
             "status": {"phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": ip,
                        "podIPs": [{"ip": ip}], "startTime": now, "conditions": conditions,
                        "containerStatuses": containers}}
-    try:
-        api.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], body,
-                                        _request_timeout=API_TIMEOUT)
-    except kubernetes.client.ApiException as exc:
-        if exc.status not in (404, 409):  # a pod gone (or replaced) meanwhile needs nothing
-            raise
+    _write_status(api, pod, body)
 
 
 def set_ready(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ready: bool) -> None:
@@ -288,9 +283,15 @@ def set_ready(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], ready: bool
                   if c["type"] in ("Ready", "ContainersReady") else c for c in pod["status"].get("conditions", [])]
     # the uid is the patch's precondition: a StatefulSet's replacement pod has the same name
     body = {"metadata": {"uid": pod["metadata"]["uid"]}, "status": {"conditions": conditions}}
+    _write_status(api, pod, body)
+
+
+def _write_status(api: kubernetes.client.CoreV1Api, pod: dict[str, Any], body: dict[str, Any]) -> None:
+    """Patch a pod's status as the kubelet does; a pod gone (or replaced: the body's uid is a precondition) meanwhile
+    needs nothing."""
     try:
         api.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"], body,
                                         _request_timeout=API_TIMEOUT)
     except kubernetes.client.ApiException as exc:
-        if exc.status not in (404, 409):  # a pod gone (or replaced) meanwhile needs nothing
+        if exc.status not in (404, 409):
             raise

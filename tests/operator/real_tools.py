@@ -195,6 +195,17 @@ def example(name: str, namespace: str) -> dict[str, Any]:
     return doc
 
 
+def release_pods(kubectl: Kubectl, release: str) -> list[dict[str, Any]]:
+    """The pods of a helm release (the operator's) that are not on their way out."""
+    return [p for p in kubectl.get("pods", None, f"-l=app.kubernetes.io/instance={release}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return pod["status"].get("phase") == "Running" and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
 def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     """The status condition ``kind`` of ``obj`` ({} when absent)."""
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})

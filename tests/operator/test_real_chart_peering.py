@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import pathlib
-import time
 from typing import Any
 
 import pytest
@@ -25,8 +24,9 @@ import pytest
 from tests.helpers import Children, free_port
 
 from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_fleet import Fleet, placement_problems
-from .real_tools import CHART, MI, Kubectl, clients, example, service_account_kubeconfig, until
+from .real_fleet import Fleet
+from .real_tools import (CHART, MI, Kubectl, clients, example, pod_ready, release_pods, service_account_kubeconfig,
+                         until)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,37 +39,9 @@ def _image(pod: str) -> str:
     return f"example.com/megatron-serve:{pod}"
 
 
-def _operator_pods(kubectl: Kubectl, release: str) -> list[dict[str, Any]]:
-    return [p for p in kubectl.get("pods", None, f"-l=app.kubernetes.io/instance={release}")
-            if not p["metadata"].get("deletionTimestamp")]
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return pod["status"].get("phase") == "Running" and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
-
-def _images(fleet: Fleet) -> set[str]:
-    """The images the engines' StatefulSets and the coordinator's Deployment carry now."""
-    workloads = [*(fleet.kubectl.get("statefulsets", None, f"-l=app.kubernetes.io/instance={NAME}")),
-                 fleet.kubectl.get("deployment", f"{NAME}-coordinator") or {"spec": {"template": {"spec": {}}}}]
-    return {c["image"] for w in workloads for c in w["spec"]["template"]["spec"].get("containers", [])}
-
-
-def _only(fleet: Fleet, image: str, seconds: float) -> set[str]:
-    """Every image seen on the workloads for ``seconds`` (each operator passes every second): a replica that stands
-    by must write nothing in that span, so it is watched whole."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        seen |= _images(fleet)
-        time.sleep(0.3)
-    return seen
-
-
-def _placed(fleet: Fleet, count: int) -> bool:
-    pods = fleet.engine_pods(NAME)
-    return len(pods) == count and not placement_problems(fleet.kubectl, pods, 1)
 
 
 def run_pod(children: Children, kubectl: Kubectl, pod: dict[str, Any], kubeconfig: pathlib.Path) -> Any:
@@ -105,7 +77,7 @@ def test_the_chart_with_two_peered_replicas_one_acts_and_the_other_takes_over(ku
                  "--set=rbac.scope=namespace", f"--set=watchNamespaces={{{kubectl.namespace}}}",
                  "--set=operator.reconcileIntervalSeconds=1", "--set=operator.connectTimeoutSeconds=1",
                  "--set=operator.commandTimeoutSeconds=10")
-        pods = until(lambda: (p := _operator_pods(kubectl, release)) and len(p) == 2 and all(map(_ready, p)) and p,
+        pods = until(lambda: (p := release_pods(kubectl, release)) and len(p) == 2 and all(map(pod_ready, p)) and p,
                      60, "the chart's two operator pods Ready")
         peering = fleet.account  # the chart's default peering name: its full name
         assert kubectl.get("kopfpeerings", peering) is not None  # the chart made it
@@ -125,11 +97,11 @@ def test_the_chart_with_two_peered_replicas_one_acts_and_the_other_takes_over(ku
         resource = example("single-gpu.yaml", kubectl.namespace)
         fleet.prerequisites(resource)
         kubectl.apply([resource])
-        until(lambda: _placed(fleet, 1) and _images(fleet) == {_image(first)}, 90,
+        until(lambda: fleet.placed(NAME, 1) and fleet.images(NAME) == {_image(first)}, 90,
               f"the engine pod Running, every workload written by {first}")
         # kopf starts paused and says so when it resumes (at the chart's log level, info): the standby never does
         assert RESUMED in children.log_of(processes[first])
-        assert _only(fleet, _image(first), 5) == {_image(first)}  # the standby writes nothing
+        assert fleet.watch_images(NAME, 5) == {_image(first)}  # the standby writes nothing
         assert RESUMED not in children.log_of(processes[second])
         assert f"[{kubectl.namespace}/{NAME}]" not in children.log_of(processes[second])
 
@@ -140,21 +112,21 @@ def test_the_chart_with_two_peered_replicas_one_acts_and_the_other_takes_over(ku
         kubectl.run("scale", f"{MI}/{NAME}", "--replicas=2")
         until(lambda: RESUMED in children.log_of(processes[second]), LIFETIME + 30,
               f"{second} resuming once {first}'s keep-alive expired")
-        until(lambda: _placed(fleet, 2) and _images(fleet) == {_image(second)}, 90,
+        until(lambda: fleet.placed(NAME, 2) and fleet.images(NAME) == {_image(second)}, 90,
               f"two engine pods Running, every workload written by {second}")
         assert ((fleet.mi(NAME).get("status") or {}).get("engines") or {}).get("desired") == 2
 
         # the new pod's replica starts later, so it ranks below the survivor: it stands by and the survivor acts on
-        (pod,) = until(lambda: [p for p in _operator_pods(kubectl, release)
-                                if p["metadata"]["name"] not in (first, second) and _ready(p)], 60,
+        (pod,) = until(lambda: [p for p in release_pods(kubectl, release)
+                                if p["metadata"]["name"] not in (first, second) and pod_ready(p)], 60,
                        "the Deployment's pod in place of the killed one")
         third = pod["metadata"]["name"]
         processes[third] = run_pod(children, kubectl, pod, kubeconfig)
         until(lambda: third in peers(), 60, f"the new replica {third} keeping itself alive")
         assert peers()[second]["priority"] > peers()[third]["priority"]
         kubectl.run("scale", f"{MI}/{NAME}", "--replicas=1")
-        until(lambda: _placed(fleet, 1), 90, f"the scale-down done by {second}")
-        assert _only(fleet, _image(second), 5) == {_image(second)}
+        until(lambda: fleet.placed(NAME, 1), 90, f"the scale-down done by {second}")
+        assert fleet.watch_images(NAME, 5) == {_image(second)}
         assert RESUMED not in children.log_of(processes[third])
         assert f"[{kubectl.namespace}/{NAME}]" not in children.log_of(processes[third])
     finally:

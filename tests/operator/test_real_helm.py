@@ -12,12 +12,11 @@ operator inside it works (``test_real_operator.py`` runs the operator itself wit
 from __future__ import annotations
 
 import base64
-from typing import Any
 
 import pytest
 import yaml
 
-from .real_tools import CHART, Helm, Kubectl, clients, until
+from .real_tools import CHART, Helm, Kubectl, clients, pod_ready, release_pods, until
 from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
 
 
@@ -39,22 +38,14 @@ def test_helm_lint_is_clean(tools: tuple[Kubectl, Helm]):
     assert bad.returncode != 0 and "/rbac/scope" in bad.stdout, bad.stdout  # the values schema names the key
 
 
-def _operator_pods(kubectl: Kubectl, name: str) -> list[dict[str, Any]]:
-    return [p for p in kubectl.get("pods", None, f"-l=app.kubernetes.io/instance={name}")
-            if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return pod["status"].get("phase") == "Running" and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def test_install_upgrade_and_uninstall(tools: tuple[Kubectl, Helm]):
     kubectl, helm = tools
     name = release(kubectl)
     helm.run("install", name, str(CHART), "--wait", "--timeout=120s")
-    (pod,) = _operator_pods(kubectl, name)
-    assert _ready(pod) and pod["spec"]["nodeName"], pod["status"]
+    (pod,) = release_pods(kubectl, name)
+    assert pod_ready(pod) and pod["spec"]["nodeName"], pod["status"]
     assert pod["spec"]["serviceAccountName"] == f"{name}-megatron-operator"
     secret = kubectl.get("secret", f"{name}-megatron-operator-token-key")
     key = secret["data"]["token-key"]
@@ -62,13 +53,13 @@ def test_install_upgrade_and_uninstall(tools: tuple[Kubectl, Helm]):
 
     # the same values: nothing rolls (the control of the next step)
     helm.run("upgrade", name, str(CHART), "--wait", "--timeout=120s", "--reuse-values")
-    (same,) = _operator_pods(kubectl, name)
+    (same,) = release_pods(kubectl, name)
     assert same["metadata"]["uid"] == pod["metadata"]["uid"]
 
     # a values change rolls the operator: a new pod with the new setting, Ready
     helm.run("upgrade", name, str(CHART), "--wait", "--timeout=120s", "--set", "operator.reconcileIntervalSeconds=5")
-    rolled = until(lambda: [p for p in _operator_pods(kubectl, name)
-                            if p["metadata"]["uid"] != pod["metadata"]["uid"] and _ready(p)], 60, "the rolled pod")
+    rolled = until(lambda: [p for p in release_pods(kubectl, name)
+                            if p["metadata"]["uid"] != pod["metadata"]["uid"] and pod_ready(p)], 60, "the rolled pod")
     (container,) = rolled[0]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MEGATRON_OPERATOR_RECONCILE_INTERVAL"] == "5"
@@ -76,7 +67,7 @@ def test_install_upgrade_and_uninstall(tools: tuple[Kubectl, Helm]):
     assert kubectl.get("secret", f"{name}-megatron-operator-token-key")["data"]["token-key"] == key
 
     helm.run("uninstall", name, "--wait", "--timeout=120s")
-    until(lambda: not _operator_pods(kubectl, name), 60, "the operator's pods gone")
+    until(lambda: not release_pods(kubectl, name), 60, "the operator's pods gone")
     assert kubectl.get("deployment", f"{name}-megatron-operator") is None
     assert kubectl.get("clusterrole", f"{name}-megatron-operator") is None
     assert kubectl.get("serviceaccount", f"{name}-megatron-operator") is None

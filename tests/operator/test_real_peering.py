@@ -19,13 +19,12 @@ pod's name would give). A peer killed with SIGKILL never says goodbye: the other
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_fleet import Fleet, fleet, placement_problems  # noqa: F401 - the fixture
+from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
 from .real_tools import CHART, MI, OperatorProcess, example, service_account_kubeconfig, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -41,27 +40,7 @@ def _image(operator: str) -> str:
     return f"example.com/megatron-serve:{operator}"
 
 
-def _images(fleet: Fleet) -> set[str]:
-    """The images the engines' StatefulSets and the coordinator's Deployment carry now."""
-    workloads = [*(fleet.kubectl.get("statefulsets", None, f"-l=app.kubernetes.io/instance={NAME}")),
-                 fleet.kubectl.get("deployment", f"{NAME}-coordinator") or {"spec": {"template": {"spec": {}}}}]
-    return {c["image"] for w in workloads for c in w["spec"]["template"]["spec"].get("containers", [])}
 
-
-def _watch_images(fleet: Fleet, seconds: float, enough: frozenset[str] = frozenset()) -> set[str]:
-    """Every image seen on the workloads during ``seconds`` (each operator passes every second), or until all of
-    ``enough`` were seen (a test that looks for images need not wait out the span; one that rules them out must)."""
-    seen: set[str] = set()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not (enough and seen >= enough):
-        seen |= _images(fleet)
-        time.sleep(0.3)
-    return seen
-
-
-def _placed(fleet: Fleet, count: int) -> bool:
-    pods = fleet.engine_pods(NAME)
-    return len(pods) == count and not placement_problems(fleet.kubectl, pods, 1)
 
 
 def _operator(fleet: Fleet, who: str, peering: tuple[str, ...]) -> OperatorProcess:
@@ -95,7 +74,7 @@ def test_two_peered_operators_one_acts_and_the_other_takes_over_when_it_is_kille
     resource = _resource(fleet)
     first = _operator(fleet, "operator-a", (f"--peering={PEERING}", "--priority=200"))
     kubectl.apply([resource])
-    until(lambda: _placed(fleet, 1), 90, "the engine pod Running, made by the first operator")
+    until(lambda: fleet.placed(NAME, 1), 90, "the engine pod Running, made by the first operator")
     second = _operator(fleet, "operator-b", (f"--peering={PEERING}", "--priority=100"))
     paused = f"Pausing the watch-stream for megatroninferences.v1alpha1.serving.megatron.dev in '{kubectl.namespace}'"
     until(lambda: paused in second.log(), 60, "the second operator's word that it is paused")
@@ -103,13 +82,13 @@ def test_two_peered_operators_one_acts_and_the_other_takes_over_when_it_is_kille
                   30, "both operators keeping themselves alive in the peering object")
     assert {k: v["priority"] for k, v in peers["status"].items()} == {"operator-a": 200, "operator-b": 100}
     # only the first acts: over several of its passes, the workloads carry its image and never the second's
-    assert _watch_images(fleet, 5) == {_image("operator-a")}
+    assert fleet.watch_images(NAME, 5) == {_image("operator-a")}
     assert f"[{kubectl.namespace}/{NAME}]" not in second.log()  # the second never handled the resource
 
     first.stop(kill=True)  # no goodbye: the second waits for the first's keep-alive to expire
     kubectl.run("scale", f"{MI}/{NAME}", "--replicas=2")
     until(lambda: "Resuming operations after the pause" in second.log(), LIFETIME + 30, "the second operator resuming")
-    until(lambda: _placed(fleet, 2) and _images(fleet) == {_image("operator-b")}, 90,
+    until(lambda: fleet.placed(NAME, 2) and fleet.images(NAME) == {_image("operator-b")}, 90,
           "two engine pods Running, every workload written by the second operator")
     assert ((fleet.mi(NAME).get("status") or {}).get("engines") or {}).get("desired") == 2
 
@@ -120,7 +99,7 @@ def test_control_two_standalone_operators_both_act(fleet: Fleet):
     resource = _resource(fleet)
     _operator(fleet, "operator-a", ("--standalone",))
     fleet.kubectl.apply([resource])
-    until(lambda: _placed(fleet, 1), 90, "the engine pod Running, made by the first operator")
+    until(lambda: fleet.placed(NAME, 1), 90, "the engine pod Running, made by the first operator")
     _operator(fleet, "operator-b", ("--standalone",))
     both = frozenset({_image("operator-a"), _image("operator-b")})
-    assert _watch_images(fleet, 20, enough=both) >= both
+    assert fleet.watch_images(NAME, 20, enough=both) >= both
