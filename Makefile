@@ -112,10 +112,10 @@ run: $(RUNTIME)
 # It needs what it runs (verl's venv too), so a fresh clone's `make test` builds it all. What the suite writes to the
 # temporary directory (pytest's tmp_path folders, some 4 GB a run, kept for three runs; multiprocessing's pymp-*
 # folders) goes under a TMPDIR of its own, removed when the suite ends, Ctrl-C included (the shell waits for pytest).
-# Five workers on two cores: the real-cluster files spend half their time waiting on the control plane, so more
-# files than cores keep the cores busy while they wait (docs/testing.md has the figures).
+# Four workers on two cores: the real-cluster files spend half their time waiting on the control plane, so a
+# fourth file keeps the cores busy while they wait (docs/testing.md has the figures).
 # Under CI (CI=true) -vv names each test as it ends.
-TEST_WORKERS ?= 5
+TEST_WORKERS ?= 4
 TEST_ARGS ?= $(if $(CI),-vv)
 # The operator's suites run on a real control plane (tools/kube-cluster: etcd, kube-apiserver, controller-manager,
 # scheduler, kwok's GPU nodes, LWS), brought up in the suite's temporary directory before pytest and taken down after
