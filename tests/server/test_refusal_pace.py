@@ -15,19 +15,11 @@ from megatron_serve.http_options import Shedding
 from megatron_serve.server.refusal_pace import RefusalPace
 
 from .conftest import serving
-from .test_tenants import DOCUMENT, SaturatedBackend, app_with, bearer, body
+from .test_tenants import DOCUMENT, Clock, SaturatedBackend, app_with, bearer, body
 
 pytestmark = pytest.mark.timeout(120)
 
 SHEDDING = Shedding(queue_depth=4, kv_cache_usage=0.9, stale_after=60.0, retry_after=2)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_burst_is_answered_at_once_then_one_refusal_per_interval():

@@ -44,6 +44,8 @@ ENV = {"BATCH_KEY": "key-batch"}
 
 
 class Clock:
+    """A clock of the test's (the budgets' and the refusal pace's): time moves when the test moves it."""
+
     def __init__(self) -> None:
         self.now = 1000.0
 
