@@ -10,12 +10,14 @@ Both return a process exit status. :mod:`megatron_operator.commands.render` and
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from .config import ENV_PEERING_PRIORITY
 from .render import render_command, render_main
 
-__all__ = ["render_command", "render_main", "operator_command", "kopf_argv"]
+__all__ = ["render_command", "render_main", "operator_command", "kopf_argv", "refuse_two_priorities"]
 
 HANDLERS_MODULE = "megatron_operator.handlers"
 
@@ -36,11 +38,24 @@ def kopf_argv(extra_args: Sequence[str]) -> list[str]:
     return argv + extra
 
 
+def refuse_two_priorities(extra_args: Sequence[str], env: Mapping[str, str]) -> None:
+    """Refuse kopf's ``--priority``/``-p`` (or ``--dev``, priority 666) beside ``$MEGATRON_OPERATOR_PEERING_PRIORITY``:
+    the operator applies the variable at startup, after kopf has read its options, so the option would be dropped
+    without a word."""
+    if not (env.get(ENV_PEERING_PRIORITY) or "").strip():
+        return
+    for arg in extra_args:
+        if arg in ("--priority", "--dev") or arg.startswith("--priority=") or \
+                (arg.startswith("-p") and not arg.startswith("--")):
+            raise ValueError(f"{arg} and ${ENV_PEERING_PRIORITY} both set kopf's peering priority; keep one")
+
+
 def operator_command(extra_args: Sequence[str] = ()) -> int:
     """Run the kopf operator in this process until it is stopped; returns the exit status."""
     import kopf.cli
 
     try:
+        refuse_two_priorities(extra_args, os.environ)
         kopf.cli.main.main(args=kopf_argv(extra_args), prog_name="megatron-serve operator", standalone_mode=False)
     except SystemExit as exc:  # click may still exit for --help and usage errors
         return int(exc.code or 0) if isinstance(exc.code, int) else 1

@@ -49,7 +49,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = not CONFIG.scanning
     settings.watching.server_timeout = 300
     settings.peering.lifetime = max(1, round(CONFIG.peering_lifetime))  # kopf counts it in whole seconds
-    if CONFIG.peering_priority is not None:  # after kopf's --priority: the environment is the chart's choice
+    if CONFIG.peering_priority is not None:  # after kopf's --priority, which cli refuses beside it
         settings.peering.priority = CONFIG.peering_priority
     settings.execution.max_workers = 8
     # A deletion waits for a running timer pass to end: look again after a second, not a minute.

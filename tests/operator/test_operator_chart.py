@@ -193,6 +193,95 @@ def test_chart_refuses_replicas_without_peering(helm):
     assert not [o for o in objects if o["apiVersion"] == "kopf.dev/v1"]
 
 
+def _container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+PEERED = {"peering": {"enabled": True}}
+
+
+@pytest.mark.parametrize("priority,value", [(7, "7"), (-3, "-3"), (2**53, str(2**53))])
+def test_chart_carries_a_fixed_peering_priority(helm, priority: int, value: str):
+    """``peering.priority``: oldest-first by default; an integer (kopf's ``--priority``) reaches the operator's
+    environment digit for digit (2**53 outranks every oldest-first replica), and its Deployment recreates: the old
+    pod and the new one would have the same priority, and kopf pauses both."""
+    objects, _ = render_chart(helm, PEERED)
+    env = {e["name"]: e for e in _container(objects)["env"]}
+    assert env["MEGATRON_OPERATOR_PEERING_PRIORITY"]["value"] == "oldest-first"
+    objects, _ = render_chart(helm, {"peering": {"enabled": True, "priority": priority}})
+    validate_all([o for o in objects if o["apiVersion"] != "kopf.dev/v1"])
+    env = {e["name"]: e for e in _container(objects)["env"]}
+    assert env["MEGATRON_OPERATOR_PEERING_PRIORITY"]["value"] == value
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_chart_refuses_a_fixed_priority_for_several_replicas(helm):
+    """Every replica would carry the one integer, and kopf pauses all peers of equal priority: none would act."""
+    with pytest.raises(Exception, match="peering.priority: 5 would give all 2 replicas one priority"):
+        render_chart(helm, {"replicaCount": 2, "peering": {"enabled": True, "priority": 5}})
+    objects, _ = render_chart(helm, {"replicaCount": 2, "peering": {"enabled": True, "priority": "oldest-first"}})
+    assert _container(objects)["env"]
+
+
+@pytest.mark.parametrize("priority", ["first", 1.5, 2**54, "5"])
+def test_schema_refuses_other_priorities(helm, priority: Any):
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(Exception, match="priority"):
+        chart.validate_schema({"peering": {"enabled": True, "priority": priority}})
+
+
+def _options(args: list[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("-")}
+
+
+@pytest.mark.parametrize("values", [{}, PEERED, {"rbac": {"scope": "namespace"}, "operator": {"logLevel": "debug"}},
+                                    {"operator": {"logLevel": "verbose"}}, {"operator": {"logLevel": "quiet"}}],
+                         ids=["standalone", "peering", "namespaced-debug", "verbose", "quiet"])
+def test_chart_refuses_extra_args_it_sets_itself(helm, values: dict[str, Any]):
+    """Each option of the rendered ``kopf run`` command, passed again through ``operator.extraArgs`` (bare, as
+    ``--option=value`` or in its short form), is refused naming the value that carries it; before, ``--priority``
+    there was overridden by the chart's ``oldest-first`` without a word."""
+    owned = _options(_container(render_chart(helm, values)[0])["args"])
+    assert owned
+    for option in owned:
+        for arg in (option, f"{option}=x"):
+            with pytest.raises(Exception, match=f'operator.extraArgs: "{arg}" is an option the chart sets itself'):
+                render_chart(helm, {**values, "operator": {**values.get("operator", {}), "extraArgs": [arg]}})
+
+
+@pytest.mark.parametrize("arg,value", [("--priority=5", "peering.priority"), ("-p5", "peering.priority"),
+                                       ("--dev", "peering.priority"), ("-P", "peering.enabled and peering.name"),
+                                       ("-A", "rbac.scope"), ("-nteam-a", "rbac.scope and watchNamespaces"),
+                                       ("-L", "healthPort"), ("-vq", "operator.logLevel")])
+def test_chart_names_the_value_for_each_refused_option(helm, arg: str, value: str):
+    with pytest.raises(Exception, match=f"set {value} instead"):
+        render_chart(helm, {**PEERED, "operator": {"extraArgs": [arg]}})
+
+
+def test_chart_passes_other_extra_args(helm):
+    """The control: kopf's options the chart does not set go through as given."""
+    extra = ["--log-format=json", "--log-prefix", "-m", "my_handlers"]
+    objects, _ = render_chart(helm, {**PEERED, "operator": {"extraArgs": extra}})
+    assert _container(objects)["args"][-4:] == extra
+
+
+def test_chart_refuses_extra_env_it_sets_itself(helm):
+    """A second entry of a variable the chart sets would replace the chart's (the later one wins), and the value
+    behind it would stop working; every variable of the rendered container is refused, one of its own goes through."""
+    rendered = [e["name"] for e in _container(render_chart(helm, PEERED)[0])["env"]]
+    assert "MEGATRON_OPERATOR_PEERING_PRIORITY" in rendered and "POD_ID" in rendered
+    for name in rendered:
+        with pytest.raises(Exception, match=f"operator.extraEnv: {name} is a variable the chart sets itself"):
+            render_chart(helm, {**PEERED, "operator": {"extraEnv": [{"name": name, "value": "1"}]}})
+    with pytest.raises(Exception, match="set peering.priority instead"):
+        render_chart(helm, {**PEERED, "operator": {"extraEnv": [{"name": "MEGATRON_OPERATOR_PEERING_PRIORITY",
+                                                                 "value": "9"}]}})
+    objects, _ = render_chart(helm, {**PEERED, "operator": {"extraEnv": [{"name": "EXTRA", "value": "1"}]}})
+    assert _container(objects)["env"][-1] == {"name": "EXTRA", "value": "1"}
+
+
 def test_chart_without_rbac_or_service_account(helm):
     objects, _ = render_chart(helm, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "x"}})
     validate_all(objects)

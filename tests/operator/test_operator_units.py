@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -176,6 +177,23 @@ def test_peering_priority_is_an_integer_or_ranks_by_start(monkeypatch: pytest.Mo
     assert ranks[0] - 1 == ranks[1] > 0  # the older outranks the newer
     with pytest.raises(ValueError, match="MEGATRON_OPERATOR_PEERING_PRIORITY: expected an integer or oldest-first"):
         OperatorConfig.from_env({"MEGATRON_OPERATOR_PEERING_PRIORITY": "first"})
+
+
+@pytest.mark.parametrize("arg", ["--priority=5", "--priority", "-p5", "-p", "--dev"])
+def test_operator_refuses_a_priority_option_beside_the_variable(arg: str, tmp_path):
+    """``megatron-serve operator --priority N`` with ``$MEGATRON_OPERATOR_PEERING_PRIORITY`` set: the variable, applied
+    at startup, would silently replace the option; the operator refuses to start, naming both. The control: the
+    option alone is kopf's to parse."""
+    from megatron_operator import cli
+
+    env = {**os.environ, "MEGATRON_OPERATOR_PEERING_PRIORITY": "oldest-first",
+           "KUBECONFIG": str(tmp_path / "absent")}  # never reached: the refusal comes before kopf logs in
+    done = subprocess.run([sys.executable, "-m", "megatron_operator", "operator", "--peering=p", arg, "5"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert f"{arg} and $MEGATRON_OPERATOR_PEERING_PRIORITY both set kopf's peering priority" in done.stderr
+    cli.refuse_two_priorities(["--peering=p", arg], {})
+    cli.refuse_two_priorities(["--peering=p", "--log-prefix"], {"MEGATRON_OPERATOR_PEERING_PRIORITY": "3"})
 
 
 class _Link:
