@@ -12,7 +12,9 @@ import msgspec
 
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Effect, Probe, Send
-from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, ClientId, Hello, StepTokens, TokenDelta
+from megatron_serve.client.pending_requests import PendingRequests
+from megatron_serve.wire.messages import (FROM_COORDINATOR, PROTOCOL_VERSION, ClientId, Hello, Result, StepTokens,
+                                          TokenDelta)
 from megatron_serve.wire.protocol import Header, Message, decode, unbatch
 
 
@@ -72,6 +74,15 @@ class CoreHarness:
         if kept:
             self.inbox[identity] = kept
         return [_opened(m.body) for m in messages if header is None or m.header is header]
+
+    def deliver(self, identity: bytes, pending: PendingRequests) -> None:
+        """What ``identity`` received, read by a client's table in order: each request's tokens (a catch-up's at
+        its start), and its result."""
+        for body in self.take(identity):
+            if isinstance(body, ClientDelta):
+                pending.on_delta(body.client_request_id, body, body.start)
+            elif isinstance(body, Result):
+                pending.on_final(body.client_request_id, msgspec.Raw(msgspec.msgpack.encode(body.request)))
 
 
 class ClientDelta(TokenDelta, kw_only=True):

@@ -17,11 +17,11 @@ import msgspec
 from megatron_serve.client.output_processor import OutputCollector
 from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
 from megatron_serve.wire.frame_cuts import FRAME_ENTRIES, delta_pieces, token_entries
-from megatron_serve.wire.messages import EngineStep, PromptScores, RequestDelta, Result, RoutingRows, Submit, TokenDelta
+from megatron_serve.wire.messages import EngineStep, PromptScores, RequestDelta, RoutingRows, Submit, TokenDelta
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .core_harness import ClientDelta, CoreHarness
+from .core_harness import CoreHarness
 from .test_core import final_record
 
 OLD, NEW, ENGINE = b"client-old-socket", b"client-new-socket", b"engine-1"
@@ -73,11 +73,7 @@ def test_a_catch_up_whose_kept_ids_pass_a_frame_reaches_the_client_in_pieces():
         h.send(ENGINE, Header.ENGINE_STEP, EngineStep(
             engine_id=engine, records={"c1/r": msgspec.Raw(msgspec.msgpack.encode(record))},
             outputs=[msgspec.Raw(msgspec.msgpack.encode(last))]))
-        for body in h.take(NEW):
-            if isinstance(body, ClientDelta):
-                pending.on_delta(body.client_request_id, body, body.start)
-            elif isinstance(body, Result):
-                pending.on_final(body.client_request_id, msgspec.Raw(msgspec.msgpack.encode(body.request)))
+        h.deliver(NEW, pending)
         assert request.future.done()
         result = request.future.result()
         assert result.generated_tokens == [70_000 + i for i in range(TOKENS)]

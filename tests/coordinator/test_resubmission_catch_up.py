@@ -20,11 +20,11 @@ import pytest
 
 from megatron_serve.client.output_processor import OutputCollector
 from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
-from megatron_serve.wire.messages import Result, Submit, TokenDelta, delta_past
+from megatron_serve.wire.messages import Submit, TokenDelta, delta_past
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .core_harness import ClientDelta, CoreHarness
+from .core_harness import CoreHarness
 from .test_core import final_record, step
 
 OLD, NEW, ENGINE = b"client-old-socket", b"client-new-socket", b"engine-1"
@@ -91,15 +91,6 @@ def test_a_catch_up_read_without_its_start_repeats_the_overtaking_step():
     assert _streamed_after_an_overtaken_resubmission(keep_start=False) == [11, 12, 13, 13, 14]
 
 
-def _deliver(h: CoreHarness, pending: PendingRequests, identity: bytes) -> None:
-    """What ``identity`` received, read by the client's table in order (tokens and results)."""
-    for body in h.take(identity):
-        if isinstance(body, ClientDelta):
-            pending.on_delta(body.client_request_id, body, body.start)
-        elif isinstance(body, Result):
-            pending.on_final(body.client_request_id, msgspec.Raw(msgspec.msgpack.encode(body.request)))
-
-
 def _streamed(pending_request: PendingRequest) -> list[int]:
     tokens = []
     while not pending_request.queue.empty():
@@ -115,16 +106,16 @@ def test_a_step_lost_with_the_old_socket_comes_before_the_steps_on_the_new_one()
         request = pending.get("r")
         step(h, ENGINE, engine, "c1/r", [11])
         step(h, ENGINE, engine, "c1/r", [12])
-        _deliver(h, pending, OLD)
+        h.deliver(OLD, pending)
         step(h, ENGINE, engine, "c1/r", [13])
         h.inbox.pop(OLD)  # lost with the old socket
         h.client(NEW)
         resubmission = msgspec.msgpack.decode(msgspec.msgpack.encode(request.submit_body()), type=Submit)
         step(h, ENGINE, engine, "c1/r", [14])
-        _deliver(h, pending, NEW)
+        h.deliver(NEW, pending)
         h.send(NEW, Header.SUBMIT, resubmission)
         step(h, ENGINE, engine, "c1/r", [15], finished=True, record=final_record(submitted, [11, 12, 13, 14, 15]))
-        _deliver(h, pending, NEW)
+        h.deliver(NEW, pending)
         assert request.future.done()
         assert _streamed(request) == request.future.result().generated_tokens == [11, 12, 13, 14, 15]
 
@@ -134,11 +125,11 @@ def test_a_result_delivered_at_the_hello_comes_after_the_tokens_lost_with_the_ol
     with _started(2) as (h, pending, engine, submitted):
         request = pending.get("r")
         step(h, ENGINE, engine, "c1/r", [11])
-        _deliver(h, pending, OLD)
+        h.deliver(OLD, pending)
         step(h, ENGINE, engine, "c1/r", [12], finished=True, record=final_record(submitted, [11, 12]))
         h.inbox.pop(OLD)  # lost with the old socket
         h.client(NEW)
-        _deliver(h, pending, NEW)
+        h.deliver(NEW, pending)
         assert request.future.done()
         assert _streamed(request) == request.future.result().generated_tokens == [11, 12]
 
