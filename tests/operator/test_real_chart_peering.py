@@ -10,7 +10,9 @@ of the Deployment's pods, the process its container would run: the container's r
 environment (``POD_ID`` from the pod's name through the downward API, the token key from the chart's Secret). One
 variable differs per pod, the default runtime image (``MEGATRON_OPERATOR_DEFAULT_IMAGE``), so that the workloads of
 a resource tell which replica wrote them. The control (two replicas without peering refused) is in
-``test_operator_chart.py``; ``test_real_peering.py`` shows two ``--standalone`` operators both acting.
+``test_operator_chart.py``; ``test_real_peering.py`` shows two ``--standalone`` operators both acting. A second
+test installs one replica with a fixed ``peering.priority`` and finds it in the peering object, after ``helm install``
+refused the same priority as kopf's ``--priority`` in ``operator.extraArgs``.
 """
 
 from __future__ import annotations
@@ -129,6 +131,39 @@ def test_the_chart_with_two_peered_replicas_one_acts_and_the_other_takes_over(ku
         assert fleet.watch_images(NAME, 5) == {_image(second)}
         assert RESUMED not in children.log_of(processes[third])
         assert f"[{kubectl.namespace}/{NAME}]" not in children.log_of(processes[third])
+    finally:
+        children.kill_all()
+        fleet.close()
+
+
+def test_the_charts_fixed_priority_reaches_kopfs_peering_object(kube_namespace: Namespace, tmp_path: pathlib.Path):
+    """``peering.priority`` as an integer: the single replica's operator keeps itself alive in the chart's
+    KopfPeering with that priority and acts, and its Deployment recreates. The control: the same priority as kopf's
+    ``--priority`` in ``operator.extraArgs``, which the chart's environment used to replace without a word, is
+    refused by ``helm install``, naming the value, and nothing is installed."""
+    kubectl, helm = clients(kube_namespace)
+    fleet = Fleet(kubectl, helm, tmp_path)
+    children = Children(tmp_path)
+    release = fleet.release
+    values = ["--set=peering.enabled=true", "--set=rbac.scope=namespace",
+              f"--set=watchNamespaces={{{kubectl.namespace}}}"]
+    try:
+        refused = helm.run("install", release, str(CHART), *values, "--set=operator.extraArgs={--priority=200}",
+                           check=False)
+        assert refused.returncode != 0 and "set peering.priority instead" in refused.stderr, refused.stderr
+        assert kubectl.get("deployment", fleet.account) is None
+
+        helm.run("install", release, str(CHART), "--wait", "--timeout=120s", *values, "--set=peering.priority=200")
+        (pod,) = until(lambda: (p := release_pods(kubectl, release)) and all(map(pod_ready, p)) and p, 60,
+                       "the chart's operator pod Ready")
+        assert kubectl.get("deployment", fleet.account)["spec"]["strategy"]["type"] == "Recreate"
+        kubeconfig = service_account_kubeconfig(kubectl, fleet.account, tmp_path / "operator.kubeconfig")
+        process = run_pod(children, kubectl, pod, kubeconfig)
+        name = pod["metadata"]["name"]
+        until(lambda: ((kubectl.get("kopfpeerings", fleet.account) or {}).get("status") or {}).get(name), 60,
+              f"{name} keeping itself alive in the chart's KopfPeering")
+        assert kubectl.get("kopfpeerings", fleet.account)["status"][name]["priority"] == 200
+        until(lambda: RESUMED in children.log_of(process), 60, f"{name}, the only peer, acting")
     finally:
         children.kill_all()
         fleet.close()
