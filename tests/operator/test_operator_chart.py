@@ -282,6 +282,30 @@ def test_chart_refuses_extra_env_it_sets_itself(helm):
     assert _container(objects)["env"][-1] == {"name": "EXTRA", "value": "1"}
 
 
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_kopfs_peering_crds_ship_in_crds_whatever_the_values(helm, scope: str):
+    """kopf's two peering CRDs stay in ``crds/`` with peering on and off: helm creates what is absent there before it
+    builds any template, which the chart's own peering object needs, and leaves existing ones (another release's,
+    another kopf operator's) alone; no template renders a CRD. With peering off nothing uses them: no kopf object and
+    no rule on one."""
+    with helm.Chart.load(str(CHART)) as chart:
+        shipped = {}
+        for item in chart.crds:
+            (doc,) = [d for d in yaml.safe_load_all(item["data"]) if d]
+            shipped[(doc["spec"]["group"], doc["spec"]["names"]["kind"])] = doc["spec"]["scope"]
+    assert shipped == {("kopf.dev", "ClusterKopfPeering"): "Cluster", ("kopf.dev", "KopfPeering"): "Namespaced",
+                       ("serving.megatron.dev", "MegatronInference"): "Namespaced"}
+    base = {"rbac": {"scope": scope}, "watchNamespaces": ["team-a"]}
+    peered, _ = render_chart(helm, {**base, **PEERED})
+    kopf = [o for o in peered if o["apiVersion"].startswith("kopf.dev/")]
+    assert kopf and all(("kopf.dev", o["kind"]) in shipped for o in kopf)
+    plain, _ = render_chart(helm, base)
+    assert not [o for o in plain if o["apiVersion"].startswith("kopf.dev/")]
+    role = "ClusterRole" if scope == "cluster" else "Role"
+    assert not [r for rules in rules_of(plain, role) for r in rules if r[0] == "kopf.dev"]
+    assert not [o for o in peered + plain if o["kind"] == "CustomResourceDefinition"]
+
+
 def test_chart_without_rbac_or_service_account(helm):
     objects, _ = render_chart(helm, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "x"}})
     validate_all(objects)

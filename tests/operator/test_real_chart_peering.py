@@ -12,7 +12,8 @@ variable differs per pod, the default runtime image (``MEGATRON_OPERATOR_DEFAULT
 a resource tell which replica wrote them. The control (two replicas without peering refused) is in
 ``test_operator_chart.py``; ``test_real_peering.py`` shows two ``--standalone`` operators both acting. A second
 test installs one replica with a fixed ``peering.priority`` and finds it in the peering object, after ``helm install``
-refused the same priority as kopf's ``--priority`` in ``operator.extraArgs``.
+refused the same priority as kopf's ``--priority`` in ``operator.extraArgs``; a third installs two peered releases
+side by side over kopf's CRDs from the chart's ``crds/``.
 """
 
 from __future__ import annotations
@@ -167,3 +168,37 @@ def test_the_charts_fixed_priority_reaches_kopfs_peering_object(kube_namespace: 
     finally:
         children.kill_all()
         fleet.close()
+
+
+def test_peered_releases_share_kopfs_crds_from_the_charts_crds_folder(kube_namespace: Namespace,
+                                                                     tmp_path: pathlib.Path):
+    """kopf's peering CRDs stay in the chart's ``crds/``: helm creates them where absent, before any template, and
+    leaves them to every release and every other kopf operator of the cluster. Two releases with peering on (one
+    cluster-wide with its ClusterKopfPeering, one namespaced with its KopfPeering) install side by side; the CRDs are
+    the same objects before and after, owned by no release; uninstalling one removes its peering object only. The
+    control, the CRDs under templates/ behind peering.enabled, failed the first install here both ways: on a cluster
+    without them helm cannot build the release's peering object before its CRD exists ("ensure CRDs are installed
+    first"), and where they exist (this chart's earlier install, another release, another kopf operator) helm
+    refuses to adopt them ("invalid ownership metadata")."""
+    kubectl, helm = clients(kube_namespace)
+    cluster_wide, namespaced = (f"mo-{kubectl.namespace}"[:36] + suffix for suffix in ("-c", "-n"))
+    crds = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
+    try:
+        helm.run("install", cluster_wide, str(CHART), "--set=peering.enabled=true")
+        uids = {crd: kubectl.get("crd", crd)["metadata"]["uid"] for crd in crds}
+        helm.run("install", namespaced, str(CHART), "--set=peering.enabled=true", "--set=rbac.scope=namespace",
+                 f"--set=watchNamespaces={{{kubectl.namespace}}}")
+        assert kubectl.get("clusterkopfpeerings", f"{cluster_wide}-megatron-operator") is not None
+        assert kubectl.get("kopfpeerings", f"{namespaced}-megatron-operator") is not None
+        for crd in crds:
+            found = kubectl.get("crd", crd)
+            assert found["metadata"]["uid"] == uids[crd]
+            assert "meta.helm.sh/release-name" not in (found["metadata"].get("annotations") or {})
+
+        helm.run("uninstall", cluster_wide, "--wait", "--timeout=120s")
+        assert kubectl.get("clusterkopfpeerings", f"{cluster_wide}-megatron-operator") is None
+        assert kubectl.get("kopfpeerings", f"{namespaced}-megatron-operator") is not None
+        assert {crd: (kubectl.get("crd", crd) or {}).get("metadata", {}).get("uid") for crd in crds} == uids
+    finally:
+        for release in (cluster_wide, namespaced):
+            helm.run("uninstall", release, "--ignore-not-found", check=False)
