@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build, reference
+from .paged_kv import PagedKV
 
 SOURCE = cpu_build.CSRC / "paged_attention.cpp"
 
@@ -29,38 +30,33 @@ def built() -> bool:
     return cpu_build.built("paged_attention")
 
 
-def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-                   k_scales: torch.Tensor | None) -> bool:
+def _kernel_serves(q: torch.Tensor, cache: PagedKV, out: torch.Tensor | None) -> bool:
     """Whether the kernel computes this call: float32 queries and cache on the CPU, rows of contiguous values."""
-    return (k_scales is None and q.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    return (not cache.fp8 and q.device.type == "cpu"
+            and q.dtype == cache.k.dtype == cache.v.dtype == torch.float32
+            and q.stride(-1) == cache.k.stride(-1) == cache.v.stride(-1) == 1
             and (out is None or out.stride(-1) == 1))
 
 
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_decode(q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`megatron_kernels.reference.paged_attention_decode` through the C++ kernel where it serves the call."""
-    if not (_kernel_serves(q, k_cache, v_cache, out, k_scales) and built()):
-        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
-                                                k_scales=k_scales, v_scales=v_scales)
+    if not (_kernel_serves(q, cache, out) and built()):
+        return reference.paged_attention_decode(q, cache, block_tables, context_lens, scale, out=out)
     result = torch.empty_like(q) if out is None else out
-    torch.ops.megatron_cpu.paged_attention_decode(q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+    torch.ops.megatron_cpu.paged_attention_decode(q, cache.k, cache.v, block_tables.to(torch.int32).contiguous(),
                                                   context_lens.to(torch.int32).contiguous(), scale, result)
     return result
 
 
-def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, *, out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_prefill(q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """:func:`megatron_kernels.reference.paged_attention_prefill` through the C++ kernel where it serves the call."""
-    if not (_kernel_serves(q, k_cache, v_cache, out, k_scales) and built()):
-        return reference.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                                 scale, out=out, k_scales=k_scales, v_scales=v_scales)
+    if not (_kernel_serves(q, cache, out) and built()):
+        return reference.paged_attention_prefill(q, cache, block_tables, query_start_loc, context_lens, scale, out=out)
     result = torch.empty_like(q) if out is None else out
-    torch.ops.megatron_cpu.paged_attention_prefill(q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+    torch.ops.megatron_cpu.paged_attention_prefill(q, cache.k, cache.v, block_tables.to(torch.int32).contiguous(),
                                                    query_start_loc.to(torch.int32).contiguous(),
                                                    context_lens.to(torch.int32).contiguous(), scale, result)
     return result

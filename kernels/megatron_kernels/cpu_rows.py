@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build, reference
+from .paged_kv import PagedKV
 
 
 def built() -> bool:
@@ -54,13 +55,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def apply_rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                slot_mapping: torch.Tensor, *, k_scales: torch.Tensor | None = None,
-                                v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                cos: torch.Tensor, sin: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`megatron_kernels.reference.apply_rotary_write_kv_cache` in one pass per token, the same bits."""
-    if not (k_scales is None and _float32_rows(q, k, v, cos, sin, k_cache, v_cache) and cos.is_contiguous()
-            and sin.is_contiguous() and built()):
-        return reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
-                                                     k_scales=k_scales, v_scales=v_scales)
-    return torch.ops.megatron_cpu_rows.rotary_write_kv_cache(q, k, v, positions.long().contiguous(), cos, sin, k_cache,
-                                                             v_cache, slot_mapping.long().contiguous())
+    if cache.fp8 or not (_float32_rows(q, k, v, cos, sin, cache.k, cache.v) and cos.is_contiguous()
+                         and sin.is_contiguous() and built()):
+        return reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, cache, slot_mapping)
+    return torch.ops.megatron_cpu_rows.rotary_write_kv_cache(q, k, v, positions.long().contiguous(), cos, sin, cache.k,
+                                                             cache.v, slot_mapping.long().contiguous())

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .invariant import KEY_BLOCK, exp, exp_, row_tile
+from .paged_kv import PagedKV
 
 
 @dataclass
@@ -265,16 +266,15 @@ class PagedStep:
         stale = group.past_last_key().view(-1).nonzero().squeeze(1)
         return units.view(-1), stale if stale.numel() else None
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor,
-               workspace: Workspace, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
+    def attend(self, q: torch.Tensor, cache: PagedKV, scale: float, out: torch.Tensor, workspace: Workspace
                ) -> torch.Tensor:
         """Every row of ``q`` ``[R, Hq, D]`` into ``out`` (``q``'s shape, any float dtype; padding rows zeros); an
-        FP8 cache is dequantized with its scales ``[blocks, block_size, Hkv]``."""
+        FP8 cache is dequantized with its scales."""
         if not self.complete:
             out.zero_()
         for group, units, stale in self.groups:
-            keys = _gather(k_cache, units, self.unit, k_scales, workspace, "keys")
-            values = _gather(v_cache, units, self.unit, v_scales, workspace, "values")
+            keys = _gather(cache.k, units, self.unit, cache.k_scales, workspace, "keys")
+            values = _gather(cache.v, units, self.unit, cache.v_scales, workspace, "values")
             if stale is not None:
                 values.view(values.shape[0], -1, values.shape[-1]).index_fill_(1, stale, 0.0)
             result = attend_group(q, group, keys, values, scale, workspace)

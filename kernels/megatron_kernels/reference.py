@@ -3,13 +3,14 @@
 These are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 Layout conventions shared with the kernels:
 
-* KV cache of one layer: ``k_cache`` / ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+* KV cache of one layer: a :class:`~megatron_kernels.paged_kv.PagedKV`, keys and values of shape
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 * ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block are ignored.
 * ``slot_mapping``: int64 ``[num_tokens]``, ``block_id * block_size + offset``; negative slots are skipped.
 * ``context_lens``: int32 ``[num_seqs]``, tokens in the cache for each sequence *including* the ones
   written this step. Prefill queries are the last ``q_len`` positions of their sequence.
 * Rotary embedding is the Hugging Face "rotate half" form, ``cos``/``sin`` of shape ``[positions, rotary_dim // 2]``.
-* An FP8 KV cache (``float8_e4m3fn``) comes with ``k_scales`` / ``v_scales`` ``[num_blocks, block_size,
+* An FP8 KV cache (``float8_e4m3fn``) comes with its scales in the ``PagedKV``, ``[num_blocks, block_size,
   num_kv_heads]`` float32, one per cache slot and head: the cached value is ``fp8 * scale``
   (:mod:`megatron_kernels.fp8`). Without them the cache holds plain values.
 * FP8 weights: ``weight`` ``[N, K]`` ``float8_e4m3fn`` and float32 ``weight_scale`` per row (``block=None``)
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from .dense import linear
 from .fp8 import Block, dequantize, quantize_heads
+from .paged_kv import PagedKV
 from .reference_lora import lora_expand, lora_shrink  # noqa: F401 - dispatcher ops, in their own module
 
 
@@ -80,54 +82,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated.to(x.dtype)
 
 
-def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-) -> None:
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, cache: PagedKV, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys/values ``[T, Hkv, D]`` into their cache slots (in place); into an FP8
     cache quantized, one scale per token and head."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    num_blocks, block_size = k_cache.shape[:2]
-    for x, cache, scales in ((key, k_cache, k_scales), (value, v_cache, v_scales)):
+    num_blocks, block_size = cache.k.shape[:2]
+    for x, pages, scales in ((key, cache.k, cache.k_scales), (value, cache.v, cache.v_scales)):
         if scales is not None:
             x, slot_scales = quantize_heads(x)
             scales.view(num_blocks * block_size, scales.shape[2])[slot_mapping] = slot_scales
-        cache.view(num_blocks * block_size, *cache.shape[2:])[slot_mapping] = x.to(cache.dtype)
+        pages.view(num_blocks * block_size, *pages.shape[2:])[slot_mapping] = x.to(pages.dtype)
 
 
 def apply_rotary_write_kv_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    cache: PagedKV, slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary`` then ``write_kv_cache`` of the rotated keys and ``v``; returns the rotated ``(q, k)``."""
     q, k = apply_rotary(q, k, positions, cos, sin)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
+    write_kv_cache(k, v, cache, slot_mapping)
     return q, k
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
+    q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
     out: torch.Tensor | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
 
@@ -145,11 +126,11 @@ def paged_attention_decode(
     (torch's fused kernel over the sequence's own keys), which padding a group to its longest would change (the
     kernel's sums depend on the key count).
     """
-    if _attention_dtype(q, k_cache) != torch.float32:
+    if _attention_dtype(q, cache) != torch.float32:
         starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return paged_attention_prefill(q, k_cache, v_cache, block_tables, starts, context_lens, scale, out=out)
+        return paged_attention_prefill(q, cache, block_tables, starts, context_lens, scale, out=out)
     num_seqs, num_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, kv_heads = cache.block_size, cache.kv_heads
     group = num_heads // kv_heads
     groups = decode_groups(tuple(context_lens.tolist()), block_size, group_cost(block_size, kv_heads, head_dim))
     queries_all = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1).float()  # [Hkv, S, G, D]
@@ -162,7 +143,7 @@ def paged_attention_decode(
         index = None if order is None else order[start:end]
         tables = block_tables if index is None else block_tables.index_select(0, index)
         length = num_blocks * block_size
-        keys, values = _gather_kv(k_cache, v_cache, tables[:, :num_blocks], k_scales, v_scales)  # [Hkv, n, L, D]
+        keys, values = _gather_kv(cache, tables[:, :num_blocks])  # [Hkv, n, L, D]
         queries = queries_all if index is None else queries_all.index_select(1, index)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, n, G, L]
         lengths = context_lens if index is None else context_lens.index_select(0, index)
@@ -180,15 +161,14 @@ def paged_attention_decode(
     return out
 
 
-def _attention_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+def _attention_dtype(q: torch.Tensor, cache: PagedKV) -> torch.dtype:
     """The dtype attention computes in: the model's where the cache holds keys in it (a 16-bit model, as
     ``transformers`` computes it), float32 otherwise (a float32 model, an FP8 cache dequantized)."""
-    return q.dtype if k_cache.dtype == q.dtype else torch.float32
+    return q.dtype if cache.k.dtype == q.dtype else torch.float32
 
 
-def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(cache: PagedKV, tables: torch.Tensor, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[Hkv, S, L, D]`` in ``dtype``: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by
     head (dequantized in float32, from an FP8 cache; a table's unused entries read block 0, masked by the caller).
 
@@ -196,19 +176,19 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tenso
     run of ``block_size * D`` values, and the gather copies whole runs straight into place; a pool stored blocks
     first is gathered by blocks and then reordered (one more copy). Keys and values share the row indices.
     """
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, kv_heads, head_dim = cache.k.shape
     seqs, width = tables.shape
     blocks = tables.long().clamp_min(0).flatten()  # [S * blocks]
-    heads_first = k_cache.permute(2, 0, 1, 3).is_contiguous()
+    heads_first = cache.k.permute(2, 0, 1, 3).is_contiguous()
     if heads_first:  # row h * num_blocks + b of the pool seen as [Hkv * blocks, block_size * D]
         rows = (torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks + blocks).flatten()
     gathered = []
-    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+    for pages, scales in ((cache.k, cache.k_scales), (cache.v, cache.v_scales)):
         if heads_first:
-            runs = cache.permute(2, 0, 1, 3).reshape(kv_heads * num_blocks, block_size * head_dim)
+            runs = pages.permute(2, 0, 1, 3).reshape(kv_heads * num_blocks, block_size * head_dim)
             out = runs.index_select(0, rows).view(kv_heads, seqs, width * block_size, head_dim)
         else:
-            out = (cache.reshape(num_blocks, -1).index_select(0, blocks)
+            out = (pages.reshape(num_blocks, -1).index_select(0, blocks)
                    .view(seqs, width * block_size, kv_heads, head_dim).permute(2, 0, 1, 3).contiguous())
         if scales is None:
             gathered.append(out.to(dtype))
@@ -257,17 +237,8 @@ def decode_groups(lens: tuple[int, ...], block_size: int, cost: int) -> tuple[tu
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
+    q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
 
@@ -278,8 +249,8 @@ def paged_attention_prefill(
     calls it: a 16-bit model's rows then have its bits. A sequence of context 0 (a padding row of a decode step)
     attends to nothing: its rows are NaN.
     """
-    block_size = k_cache.shape[1]
-    dtype = _attention_dtype(q, k_cache)
+    block_size = cache.block_size
+    dtype = _attention_dtype(q, cache)
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -293,7 +264,7 @@ def paged_attention_prefill(
             continue
         num_blocks = -(-context_len // block_size)
         table = block_tables[i : i + 1, :num_blocks]
-        keys, values = _gather_kv(k_cache, v_cache, table, k_scales, v_scales, dtype)
+        keys, values = _gather_kv(cache, table, dtype)
         keys, values = keys[:, :, :context_len], values[:, :, :context_len]  # [Hkv, 1, L, D]
         query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2, sm_count
-from .triton_kv_cache import check_cache, fit_to_cache
+from .paged_kv import PagedKV
 from .triton_paged_attention import LOG2E, attend, attention_strides
 
 _MIN_TOKENS_PER_SPLIT = 256
@@ -138,29 +138,19 @@ def decode_block_n(q: torch.Tensor) -> int:
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+    out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_decode`.
 
     ``num_splits`` / ``block_n`` override the launch heuristics (tests use them to cover split-K);
     ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
-    check_cache(k_cache, v_cache, k_scales, v_scales)
-    if k_scales is not None and not fp8_native(q.device):
-        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                k_scales=k_scales, v_scales=v_scales)
-    q, out, block_size, num_kv_heads = fit_to_cache(q, k_cache, out)
+    cache.check()
+    if cache.fp8 and not fp8_native(q.device):
+        return reference.paged_attention_decode(q, cache, block_tables, context_lens, scale, out=out)
+    q, out = cache.fit(q, out)
+    block_size, num_kv_heads = cache.block_size, cache.kv_heads
     num_seqs, num_q_heads, head_dim = q.shape
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
@@ -179,12 +169,11 @@ def paged_attention_decode(
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    fp8 = k_scales is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse, k_scales if fp8 else out, v_scales if fp8 else out,
+        q, cache.k, cache.v, block_tables, context_lens,
+        out, part_out, part_lse, *cache.scales_or(out),
         float(scale) * LOG2E,
-        *attention_strides(q, k_cache, v_cache, block_tables, out, k_scales),
+        *attention_strides(q, cache, block_tables, out),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -193,7 +182,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         FP32_DOT=cpu or q.dtype == torch.float32,
-        KV_FP8=fp8,
+        KV_FP8=cache.fp8,
         num_warps=4,
         num_stages=2,
     )

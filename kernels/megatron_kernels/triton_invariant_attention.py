@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import fp8_native, next_pow2
-from .triton_kv_cache import check_cache, fit_to_cache, scale_strides
+from .paged_kv import PagedKV
 
 KEY_BLOCK = 32
 """Keys per block of the online softmax, for every row and every launch (the CPU mode's block too)."""
@@ -118,15 +118,15 @@ def _invariant_attention_kernel(
              mask=d_mask)
 
 
-def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None, scale: float,
+def _launch(q: torch.Tensor, cache: PagedKV, out: torch.Tensor | None, scale: float,
             decode: tuple[torch.Tensor, torch.Tensor] | None, prefill: tuple[torch.Tensor, ...] | None,
-            k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, key_block: int) -> torch.Tensor:
+            key_block: int) -> torch.Tensor:
     """One launch over ``q``'s rows: ``decode`` (tables, lengths) rows first, then ``prefill`` (tables, chunk
     starts ``[P + 1]``, lengths) chunks; either may be ``None``."""
-    check_cache(k_cache, v_cache, k_scales, v_scales)
-    if k_scales is not None and not fp8_native(q.device):
+    cache.check()
+    if cache.fp8 and not fp8_native(q.device):
         raise NotImplementedError("an FP8 cache needs compute capability 8.9 for the invariant attention kernel")
-    q, out, block_size, kv_heads = fit_to_cache(q, k_cache, out)
+    q, out = cache.fit(q, out)
     rows, heads, head_dim = q.shape
     if rows == 0:
         return out
@@ -136,21 +136,18 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     prefill_tables = _rows_contiguous(prefill_tables if prefill_tables is not None else decode_tables)
     num_decode = 0 if decode is None else decode_lens.shape[0]
     num_chunks = 0 if prefill is None else prefill_lens.shape[0]
-    fp8 = k_scales is not None
     _invariant_attention_kernel[(rows * heads,)](
-        q, k_cache, v_cache, decode_tables, decode_lens if decode is not None else prefill_lens,
+        q, cache.k, cache.v, decode_tables, decode_lens if decode is not None else prefill_lens,
         prefill_tables, starts if prefill is not None else decode_lens,
-        prefill_lens if prefill is not None else decode_lens, out,
-        k_scales if fp8 else out, v_scales if fp8 else out,
+        prefill_lens if prefill is not None else decode_lens, out, *cache.scales_or(out),
         float(scale) * _LOG2E, num_decode, num_chunks, max(num_chunks - 1, 0).bit_length(),
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *cache.block_strides(),
         decode_tables.stride(0), prefill_tables.stride(0),
         out.stride(0), out.stride(1),
-        *scale_strides(k_scales),
-        NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        BLOCK_SIZE=block_size, KEY_BLOCK=key_block, KV_FP8=fp8, num_warps=NUM_WARPS,
+        *cache.scale_strides(),
+        NUM_HEADS=heads, GROUP=heads // cache.kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        BLOCK_SIZE=cache.block_size, KEY_BLOCK=key_block, KV_FP8=cache.fp8, num_warps=NUM_WARPS,
     )
     return out
 
@@ -174,12 +171,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     tables = block_tables[sequence]
     lens = (positions + 1).to(torch.int32)
-    return _launch(q, k_cache, v_cache, out, scale, (tables, lens), None, k_scales, v_scales, key_block)
+    return _launch(q, PagedKV(k_cache, v_cache, k_scales, v_scales), out, scale, (tables, lens), None, key_block)
 
 
-def attend_step(q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                out: torch.Tensor, k_scales: torch.Tensor | None = None,
-                v_scales: torch.Tensor | None = None) -> torch.Tensor:
+def attend_step(q: torch.Tensor, meta, cache: PagedKV, scale: float, out: torch.Tensor) -> torch.Tensor:
     """The engine's step (``meta``: its ``AttentionMetadata``), every row of ``q`` into ``out`` in one launch:
     the kernel reads the decode lengths, the chunks' starts and lengths and the block tables as the step
     left them on the device (no PyTorch op per layer, nothing read back: capturable)."""
@@ -188,7 +183,7 @@ def attend_step(q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Ten
     prefill = None
     if meta.prefill_block_tables is not None and q.shape[0] > meta.num_decode_tokens:
         prefill = (meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
-    return _launch(q, k_cache, v_cache, out, scale, decode, prefill, k_scales, v_scales, KEY_BLOCK)
+    return _launch(q, cache, out, scale, decode, prefill, KEY_BLOCK)
 
 
 def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kv_cache import scale_strides
+from .paged_kv import PagedKV
 
 LOG2E = 1.4426950408889634
 
@@ -77,9 +77,9 @@ def attend(
     return acc, l_i, m_i
 
 
-def attention_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      out: torch.Tensor, k_scales: torch.Tensor | None) -> tuple[int, ...]:
+def attention_strides(q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, out: torch.Tensor
+                      ) -> tuple[int, ...]:
     """The strides an attention kernel takes, in its parameters' order: the query rows and heads, each
     cache's (block, slot, head), the block table's row, the output rows and heads, the FP8 scales' (block, slot)."""
-    return (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-            out.stride(0), out.stride(1), *scale_strides(k_scales))
+    return (q.stride(0), q.stride(1), *cache.block_strides(), block_tables.stride(0), out.stride(0), out.stride(1),
+            *cache.scale_strides())

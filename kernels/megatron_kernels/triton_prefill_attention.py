@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2
-from .triton_kv_cache import check_cache, fit_to_cache
+from .paged_kv import PagedKV
 from .triton_paged_attention import LOG2E, attend, attention_strides
 
 
@@ -111,30 +111,21 @@ def _prefill_kernel(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-    block_m: int | None = None,
+    q: torch.Tensor, cache: PagedKV, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, block_m: int | None = None,
     block_n: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_prefill`.
 
     ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics;
     ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
-    check_cache(k_cache, v_cache, k_scales, v_scales)
-    if k_scales is not None and not fp8_native(q.device):
-        return reference.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                                 scale, k_scales=k_scales, v_scales=v_scales)
-    q, out, block_size, num_kv_heads = fit_to_cache(q, k_cache, out)
+    cache.check()
+    if cache.fp8 and not fp8_native(q.device):
+        return reference.paged_attention_prefill(q, cache, block_tables, query_start_loc, context_lens, scale,
+                                                 out=out)
+    q, out = cache.fit(q, out)
+    block_size, num_kv_heads = cache.block_size, cache.kv_heads
     num_tokens, num_q_heads, head_dim = q.shape
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     query_start_loc = query_start_loc.contiguous()
@@ -154,12 +145,10 @@ def paged_attention_prefill(
     block_m = max(block_m, block_g, 16)
     block_q = block_m // block_g
     num_tiles = num_tokens // block_q + num_seqs
-    fp8 = k_scales is not None
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        k_scales if fp8 else out, v_scales if fp8 else out,
+        q, cache.k, cache.v, block_tables, query_start_loc, context_lens, out, *cache.scales_or(out),
         float(scale) * LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
-        *attention_strides(q, k_cache, v_cache, block_tables, out, k_scales),
+        *attention_strides(q, cache, block_tables, out),
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
@@ -168,7 +157,7 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         FP32_DOT=cpu or q.dtype == torch.float32,
-        KV_FP8=fp8,
+        KV_FP8=cache.fp8,
         num_warps=8 if block_m >= 128 and not cpu else 4,
         num_stages=1 if q.dtype == torch.float32 else 2,  # fp32 tiles would need twice the shared memory
     )

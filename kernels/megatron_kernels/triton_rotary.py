@@ -12,7 +12,8 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import fp8_native, interpreted, last_dim_contiguous, next_pow2, num_warps_for, rows_per_program
-from .triton_kv_cache import abs_max, check_cache, head_scales, scale_strides, store_scales, store_to_cache
+from .paged_kv import PagedKV
+from .triton_kv_cache import abs_max, head_scales, store_scales, store_to_cache, write_heads
 
 
 @triton.jit
@@ -126,23 +127,15 @@ def _rotary_kernel(
         HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_REST, WRITE_CACHE, BLOCK_SIZE, KV_FP8, SOFTWARE_ROUNDING,
     )
     if WRITE_CACHE:
-        heads = tl.arange(0, BLOCK_HK)
-        dims = tl.arange(0, BLOCK_D)
-        vmask = tmask[:, None, None] & (heads < n_kv_heads)[None, :, None] & (dims < HEAD_DIM)[None, None, :]
-        v_ptrs = v_ptr + tok.to(tl.int64)[:, None, None] * stride_vt + heads[None, :, None] * stride_vh + dims[None, None, :]
-        v = tl.load(v_ptrs, mask=vmask, other=0.0)
-        if KV_FP8:
-            v_scales = head_scales(abs_max(v))
-            store_scales(v_scale_ptr, v_scales, slots, heads, tmask[:, None] & (heads < n_kv_heads)[None, :],
-                         stride_sb, stride_so, BLOCK_SIZE)
-            store_to_cache(v_cache_ptr, v, slots, heads, dims, vmask, stride_vcb, stride_vco, stride_vch, BLOCK_SIZE,
-                           v_scales, SOFTWARE_ROUNDING)
-        else:
-            store_to_cache(v_cache_ptr, v, slots, heads, dims, vmask, stride_vcb, stride_vco, stride_vch, BLOCK_SIZE)
+        write_heads(v_ptr, tok, tmask, n_kv_heads, HEAD_DIM, stride_vt, stride_vh,
+                    v_cache_ptr, slots, stride_vcb, stride_vco, stride_vch, v_scale_ptr, stride_sb, stride_so,
+                    BLOCK_HK, BLOCK_D, BLOCK_SIZE, KV_FP8, SOFTWARE_ROUNDING)
 
 
-def _rotary(q, k, positions, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None, k_scales=None,
-            v_scales=None):
+def _rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            v: torch.Tensor | None = None, cache: PagedKV | None = None, slot_mapping: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q``/``k``; with ``cache`` also write the rotated keys and ``v`` at ``slot_mapping``."""
     n_tokens, n_q_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]
     if k.shape[0] != n_tokens or k.shape[2] != head_dim:
@@ -155,31 +148,28 @@ def _rotary(q, k, positions, cos, sin, v=None, k_cache=None, v_cache=None, slot_
     positions = positions.contiguous()
     q_out = torch.empty((n_tokens, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((n_tokens, n_kv_heads, head_dim), dtype=k.dtype, device=k.device)
-    write_cache = k_cache is not None
+    write_cache = cache is not None
     if write_cache:
-        check_cache(k_cache, v_cache, k_scales, v_scales)
+        cache.check()
         v = last_dim_contiguous(v)
         slot_mapping = slot_mapping.contiguous()
     else:
-        v, k_cache, v_cache, slot_mapping = k, k_out, k_out, positions  # placeholders, never touched
+        v, cache, slot_mapping = k, PagedKV(k_out, k_out), positions  # placeholders, never touched
     if n_tokens == 0:
         return q_out, k_out
     block_hq, block_hk = next_pow2(n_q_heads), next_pow2(n_kv_heads)
     block_half, block_d = next_pow2(half), next_pow2(head_dim)
     rest = head_dim - 2 * half
     block_t = rows_per_program(q, (block_hq + block_hk) * block_d, n_tokens)
-    kc_strides = k_cache.stride()[:3] if write_cache else (0, 0, 0)
-    vc_strides = v_cache.stride()[:3] if write_cache else (0, 0, 0)
-    fp8 = k_scales is not None
     _rotary_kernel[(triton.cdiv(n_tokens, block_t),)](
         q, k, v, positions, cos, sin, q_out, k_out,
-        k_cache, v_cache, slot_mapping, k_scales if fp8 else k_cache, v_scales if fp8 else v_cache,
+        cache.k, cache.v, slot_mapping, *cache.scales_or(cache.k),
         n_tokens, n_q_heads, n_kv_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0),
-        *kc_strides, *vc_strides,
-        *scale_strides(k_scales),
+        *(cache.block_strides() if write_cache else (0,) * 6),
+        *cache.scale_strides(),
         HALF=half,
         HEAD_DIM=head_dim,
         BLOCK_T=block_t,
@@ -189,8 +179,8 @@ def _rotary(q, k, positions, cos, sin, v=None, k_cache=None, v_cache=None, slot_
         BLOCK_REST=next_pow2(rest) if rest else 0,
         BLOCK_D=block_d,
         WRITE_CACHE=write_cache,
-        BLOCK_SIZE=k_cache.shape[1] if write_cache else 1,
-        KV_FP8=fp8,
+        BLOCK_SIZE=cache.block_size if write_cache else 1,
+        KV_FP8=cache.fp8,
         SOFTWARE_ROUNDING=interpreted(q),
         num_warps=num_warps_for(block_t * (block_hq + block_hk) * block_d),
         # each product rounded before the sum, as the reference: fused into one FMA, a GPU skipped the rounding
@@ -208,24 +198,13 @@ def apply_rotary(
 
 
 def apply_rotary_write_kv_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    cache: PagedKV, slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q``/``k`` and write the rotated keys and ``v`` into the cache in one kernel (into an FP8
-    cache quantized, with ``k_scales``/``v_scales``: see :mod:`megatron_kernels.reference`)."""
+    cache quantized: see :mod:`megatron_kernels.reference`)."""
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
-    if k_scales is not None and not fp8_native(q.device):
-        return reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
-                                                     k_scales=k_scales, v_scales=v_scales)
-    return _rotary(q, k, positions, cos, sin, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    if cache.fp8 and not fp8_native(q.device):
+        return reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, cache, slot_mapping)
+    return _rotary(q, k, positions, cos, sin, v, cache, slot_mapping)

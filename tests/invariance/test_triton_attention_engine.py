@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # before triton: CPU tensors go through the i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_kernels import triton_invariant_attention  # noqa: E402
+from megatron_kernels.paged_kv import PagedKV  # noqa: E402
 from megatron_serve.model.attention import PagedAttention  # noqa: E402
 from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
 
@@ -26,10 +27,8 @@ from .runs import Setup, differing, run_target  # noqa: E402
 install()  # the kernel's tl.sum and tl.max without a language re-patch per call
 
 
-def _kernel_attention(self: PagedAttention, q: torch.Tensor, context, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    return triton_invariant_attention.attend_step(q, context.metadata, k_cache, v_cache, self.scale,
-                                                  torch.empty_like(q), **scales)
+def _kernel_attention(self: PagedAttention, q: torch.Tensor, context, cache: PagedKV) -> torch.Tensor:
+    return triton_invariant_attention.attend_step(q, context.metadata, cache, self.scale, torch.empty_like(q))
 
 
 @pytest.fixture

@@ -54,13 +54,14 @@ def _quantized(fp8, shape: tuple[int, ...], block: tuple[int, int] | None) -> tu
 
 def _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv: int, head_dim: int) -> None:
     """The FP8 launches: KV writes into an FP8 cache and attention over it, FP8 linears, FP8 experts."""
+    from megatron_kernels.paged_kv import PagedKV  # noqa: PLC0415
+
     k8 = torch.zeros(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
-    v8, ks, vs = torch.zeros_like(k8), torch.zeros(64, 16, hkv), torch.zeros(64, 16, hkv)
-    scales = dict(k_scales=ks, v_scales=vs)
-    ops.apply_rotary_write_kv_cache(q, k, k, positions, cos, cos, k8, v8, positions, **scales)
-    ops.write_kv_cache(k, k, k8, v8, positions, **scales)
-    ops.paged_attention_decode(q[:4], k8, v8, tables, lens, 0.1, **scales)
-    ops.paged_attention_prefill(q, k8, v8, tables, qsl, lens, 0.1, **scales)
+    cache = PagedKV(k8, torch.zeros_like(k8), torch.zeros(64, 16, hkv), torch.zeros(64, 16, hkv))
+    ops.apply_rotary_write_kv_cache(q, k, k, positions, cos, cos, cache, positions)
+    ops.write_kv_cache(k, k, cache, positions)
+    ops.paged_attention_decode(q[:4], cache, tables, lens, 0.1)
+    ops.paged_attention_prefill(q, cache, tables, qsl, lens, 0.1)
     for block in (None, (128, 128)):
         weight, weight_scale = _quantized(fp8, (1024, 2048), block)
         for rows in (1, 48, 512):  # weight-only (split-K and not), FP8 x FP8
@@ -115,6 +116,7 @@ def main(capability: int, quick: bool = False) -> int:
     triton_fp8_linear.sm_count = lambda device: 132
 
     from megatron_kernels import triton_ops as ops  # noqa: PLC0415
+    from megatron_kernels.paged_kv import PagedKV  # noqa: PLC0415
 
     # heads of 8 and 12 (the parity search's small models) pad to tl.dot's 16 (a GPU build refused 8 as it stood)
     cases = [(torch.bfloat16, (32, 8, 128)), (torch.bfloat16, (1, 1, 8)), (torch.bfloat16, (6, 6, 12)),
@@ -125,21 +127,20 @@ def main(capability: int, quick: bool = False) -> int:
         k = torch.randn(tokens, hkv, head_dim, dtype=dtype)
         k_cache = torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=dtype)
         v_cache = torch.zeros_like(k_cache)
+        cache = PagedKV(k_cache, v_cache)
         tables = torch.zeros(4, 16, dtype=torch.int32)
         lens = torch.full((4,), 30, dtype=torch.int32)
         qsl = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
-        ops.paged_attention_decode(q[:4], k_cache, v_cache, tables, lens, 0.1)
-        triton_decode_attention.paged_attention_decode(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.1,
-                                                       num_splits=4)
-        ops.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.1)
+        ops.paged_attention_decode(q[:4], cache, tables, lens, 0.1)
+        triton_decode_attention.paged_attention_decode(q[:2], cache, tables[:2], lens[:2], 0.1, num_splits=4)
+        ops.paged_attention_prefill(q, cache, tables, qsl, lens, 0.1)
         long_q = torch.zeros(4096, hq, head_dim, dtype=dtype)  # long prompts take the 128-row tile
-        ops.paged_attention_prefill(long_q, k_cache, v_cache, tables[:1], qsl[:2] * 0 + torch.tensor([0, 4096]),
-                                    lens[:1], 0.1)
+        ops.paged_attention_prefill(long_q, cache, tables[:1], qsl[:2] * 0 + torch.tensor([0, 4096]), lens[:1], 0.1)
         cos = torch.randn(100, head_dim // 2)
         positions = torch.arange(tokens)
         ops.apply_rotary(q, k, positions, cos, cos)
-        ops.apply_rotary_write_kv_cache(q, k, k, positions, cos, cos, k_cache, v_cache, positions)
-        ops.write_kv_cache(k, k, k_cache, v_cache, positions)
+        ops.apply_rotary_write_kv_cache(q, k, k, positions, cos, cos, cache, positions)
+        ops.write_kv_cache(k, k, cache, positions)
         x = torch.randn(7, 2048, dtype=dtype)
         ops.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-5)
         ops.fused_add_rms_norm(x, x, torch.ones(2048, dtype=dtype), 1e-5)

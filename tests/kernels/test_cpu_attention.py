@@ -12,13 +12,14 @@ import torch
 
 from megatron_kernels import cpu_attention, cpu_build, get_op, reference
 from megatron_kernels.fp8 import quantize_heads
+from megatron_kernels.paged_kv import PagedKV
 
 from .test_reference_cpu import _pools, _tables
 
 
 def _case(lengths: list[int], block_size: int, kv_heads: int, group: int, dim: int, seed: int = 0):
     num_blocks = sum(-(-n // block_size) for n in lengths) + 4
-    plain, heads_first = _pools(num_blocks, block_size, kv_heads, dim, torch.float32, seed)
+    plain, heads_first = (PagedKV(*pool) for pool in _pools(num_blocks, block_size, kv_heads, dim, torch.float32, seed))
     tables = _tables([max(n, 1) for n in lengths], block_size, num_blocks, seed)
     q = torch.randn(len(lengths), kv_heads * group, dim, generator=torch.Generator().manual_seed(seed + 7))
     return q, plain, heads_first, tables, torch.tensor(lengths, dtype=torch.int32)
@@ -27,7 +28,7 @@ def _case(lengths: list[int], block_size: int, kv_heads: int, group: int, dim: i
 def _chunks(lengths: list[int], rows: list[int], block_size: int, kv_heads: int, group: int, dim: int, seed: int = 0):
     """A prefill step: sequence ``i`` has ``lengths[i]`` cached tokens, of which its last ``rows[i]`` are queries."""
     num_blocks = sum(-(-n // block_size) for n in lengths) + 4
-    plain, heads_first = _pools(num_blocks, block_size, kv_heads, dim, torch.float32, seed)
+    plain, heads_first = (PagedKV(*pool) for pool in _pools(num_blocks, block_size, kv_heads, dim, torch.float32, seed))
     tables = _tables([max(n, 1) for n in lengths], block_size, num_blocks, seed)
     q = torch.randn(sum(rows), kv_heads * group, dim, generator=torch.Generator().manual_seed(seed + 7))
     starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
@@ -46,9 +47,9 @@ def test_the_kernels_build_here_and_the_cpu_backend_serves_attention_with_them(m
 def test_decode_is_the_reference_within_rounding_over_both_layouts(block_size, kv_heads, group, dim):
     lengths = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 130, 17]
     q, plain, heads_first, tables, lens = _case(lengths, block_size, kv_heads, group, dim)
-    expected = reference.paged_attention_decode(q, *plain, tables, lens, dim ** -0.5)
+    expected = reference.paged_attention_decode(q, plain, tables, lens, dim ** -0.5)
     for pool in (plain, heads_first):
-        got = cpu_attention.paged_attention_decode(q, *pool, tables, lens, dim ** -0.5)
+        got = cpu_attention.paged_attention_decode(q, pool, tables, lens, dim ** -0.5)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -56,12 +57,12 @@ def test_each_row_is_the_same_alone_and_in_any_batch():
     """A row's sums run in an order fixed by its own context: alone, among others, reordered, the same bits."""
     lengths = [200, 3, 64, 77, 1, 129, 16, 250]
     q, _, heads_first, tables, lens = _case(lengths, 16, 4, 2, 64, seed=3)
-    batch = cpu_attention.paged_attention_decode(q, *heads_first, tables, lens, 0.125)
+    batch = cpu_attention.paged_attention_decode(q, heads_first, tables, lens, 0.125)
     order = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])
-    shuffled = cpu_attention.paged_attention_decode(q[order], *heads_first, tables[order], lens[order], 0.125)
+    shuffled = cpu_attention.paged_attention_decode(q[order], heads_first, tables[order], lens[order], 0.125)
     assert torch.equal(shuffled, batch[order])
     for row in range(len(lengths)):
-        alone = cpu_attention.paged_attention_decode(q[row:row + 1], *heads_first, tables[row:row + 1, :],
+        alone = cpu_attention.paged_attention_decode(q[row:row + 1], heads_first, tables[row:row + 1, :],
                                                      lens[row:row + 1], 0.125)
         assert torch.equal(alone, batch[row:row + 1]), row
 
@@ -72,9 +73,9 @@ def test_prefill_is_the_reference_within_rounding_over_both_layouts(block_size, 
     """Whole prompts, chunks after a cached prefix, a single row, a sequence with no rows in this step."""
     lengths, rows = [5, 40, 130, 17, 33, 9, 300], [5, 40, 20, 1, 33, 0, 37]
     q, plain, heads_first, tables, starts, lens = _chunks(lengths, rows, block_size, kv_heads, group, dim)
-    expected = reference.paged_attention_prefill(q, *plain, tables, starts, lens, dim ** -0.5)
+    expected = reference.paged_attention_prefill(q, plain, tables, starts, lens, dim ** -0.5)
     for pool in (plain, heads_first):
-        got = cpu_attention.paged_attention_prefill(q, *pool, tables, starts, lens, dim ** -0.5)
+        got = cpu_attention.paged_attention_prefill(q, pool, tables, starts, lens, dim ** -0.5)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -94,7 +95,7 @@ def test_a_prefill_row_is_the_same_in_any_batch_and_any_chunk_of_its_prompt():
             counts = [cut - start, 70, 33] if beside else [cut - start]
             starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
             table = tables if beside else tables[:1]
-            out = kernel(rows, *pool, table, starts, torch.tensor(lens, dtype=torch.int32), dim ** -0.5)
+            out = kernel(rows, pool, table, starts, torch.tensor(lens, dtype=torch.int32), dim ** -0.5)
             pieces.append(out[:cut - start])
             start = cut
         return torch.cat(pieces)
@@ -110,7 +111,7 @@ def test_a_prefill_row_is_the_same_in_any_batch_and_any_chunk_of_its_prompt():
 def test_prefill_writes_in_place_and_a_sequence_with_no_context_is_nan():
     q, _, heads_first, tables, starts, lens = _chunks([40, 0, 9], [3, 2, 4], 16, 2, 2, 32)
     buffer = torch.zeros(11, 4, 32)
-    result = cpu_attention.paged_attention_prefill(q, *heads_first, tables, starts, lens, 0.3, out=buffer[1:10])
+    result = cpu_attention.paged_attention_prefill(q, heads_first, tables, starts, lens, 0.3, out=buffer[1:10])
     assert result.data_ptr() == buffer[1:10].data_ptr()
     assert torch.isnan(buffer[4:6]).all() and not torch.isnan(buffer[1:4]).any() and not torch.isnan(buffer[6:10]).any()
     assert torch.equal(buffer[0], torch.zeros(4, 32)) and torch.equal(buffer[10], torch.zeros(4, 32))
@@ -119,7 +120,7 @@ def test_prefill_writes_in_place_and_a_sequence_with_no_context_is_nan():
 def test_out_is_written_in_place_and_an_empty_context_row_is_nan():
     q, _, heads_first, tables, lens = _case([40, 0, 9], 16, 2, 2, 32)
     buffer = torch.zeros(5, 4, 32)
-    result = cpu_attention.paged_attention_decode(q, *heads_first, tables, lens, 0.3, out=buffer[1:4])
+    result = cpu_attention.paged_attention_decode(q, heads_first, tables, lens, 0.3, out=buffer[1:4])
     assert result.data_ptr() == buffer[1:4].data_ptr()
     assert torch.isnan(buffer[2]).all() and not torch.isnan(buffer[1]).any() and not torch.isnan(buffer[3]).any()
     assert torch.equal(buffer[0], torch.zeros(4, 32)) and torch.equal(buffer[4], torch.zeros(4, 32))
@@ -128,20 +129,19 @@ def test_out_is_written_in_place_and_an_empty_context_row_is_nan():
 def test_calls_the_kernel_does_not_serve_are_the_reference_bit_for_bit():
     """A 16-bit model's decode and an FP8 cache's (its scales) keep the reference's arithmetic exactly, prefill too."""
     q, plain, _, tables, lens = _case([33, 7, 90], 16, 2, 2, 64)
-    half = [p.to(torch.bfloat16) for p in plain]
-    assert torch.equal(cpu_attention.paged_attention_decode(q.bfloat16(), *half, tables, lens, 0.125),
-                       reference.paged_attention_decode(q.bfloat16(), *half, tables, lens, 0.125))
-    quantized = [quantize_heads(cache.flatten(0, 1)) for cache in plain]  # a scale per slot and head
-    caches = [values.view(cache.shape) for (values, _), cache in zip(quantized, plain)]
-    scales = {name: slot_scales.view(plain[0].shape[:3])
-              for name, (_, slot_scales) in zip(("k_scales", "v_scales"), quantized)}
-    assert torch.equal(cpu_attention.paged_attention_decode(q, *caches, tables, lens, 0.125, **scales),
-                       reference.paged_attention_decode(q, *caches, tables, lens, 0.125, **scales))
+    half = PagedKV(plain.k.bfloat16(), plain.v.bfloat16())
+    assert torch.equal(cpu_attention.paged_attention_decode(q.bfloat16(), half, tables, lens, 0.125),
+                       reference.paged_attention_decode(q.bfloat16(), half, tables, lens, 0.125))
+    (k8, k_scales), (v8, v_scales) = (quantize_heads(cache.flatten(0, 1)) for cache in (plain.k, plain.v))
+    shape = plain.k.shape  # a scale per slot and head
+    fp8 = PagedKV(k8.view(shape), v8.view(shape), k_scales.view(shape[:3]), v_scales.view(shape[:3]))
+    assert torch.equal(cpu_attention.paged_attention_decode(q, fp8, tables, lens, 0.125),
+                       reference.paged_attention_decode(q, fp8, tables, lens, 0.125))
     starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # one query row each, the last of its context
-    assert torch.equal(cpu_attention.paged_attention_prefill(q.bfloat16(), *half, tables, starts, lens, 0.125),
-                       reference.paged_attention_prefill(q.bfloat16(), *half, tables, starts, lens, 0.125))
-    assert torch.equal(cpu_attention.paged_attention_prefill(q, *caches, tables, starts, lens, 0.125, **scales),
-                       reference.paged_attention_prefill(q, *caches, tables, starts, lens, 0.125, **scales))
+    assert torch.equal(cpu_attention.paged_attention_prefill(q.bfloat16(), half, tables, starts, lens, 0.125),
+                       reference.paged_attention_prefill(q.bfloat16(), half, tables, starts, lens, 0.125))
+    assert torch.equal(cpu_attention.paged_attention_prefill(q, fp8, tables, starts, lens, 0.125),
+                       reference.paged_attention_prefill(q, fp8, tables, starts, lens, 0.125))
 
 
 def test_a_machine_that_cannot_build_it_gets_the_reference_and_a_warning(monkeypatch, caplog):
@@ -154,8 +154,8 @@ def test_a_machine_that_cannot_build_it_gets_the_reference_and_a_warning(monkeyp
     monkeypatch.setattr(cpu_build, "LOADED", {})  # a process that never built it (the loaded library stays loaded)
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         q, plain, _, tables, lens = _case([20, 50], 16, 2, 2, 64)
-        got = cpu_attention.paged_attention_decode(q, *plain, tables, lens, 0.125)
-    assert torch.equal(got, reference.paged_attention_decode(q, *plain, tables, lens, 0.125))
+        got = cpu_attention.paged_attention_decode(q, plain, tables, lens, 0.125)
+    assert torch.equal(got, reference.paged_attention_decode(q, plain, tables, lens, 0.125))
     assert "Ninja is required" in caplog.text and "reference" in caplog.text
 
 

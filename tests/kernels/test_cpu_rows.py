@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_kernels import cpu_build, cpu_rows, get_op, reference
+from megatron_kernels.paged_kv import PagedKV
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -47,9 +48,9 @@ def test_rotary_and_the_cache_write_are_the_reference_bit_for_bit(heads_first, d
             return torch.zeros(kv_heads, blocks, block_size, dim).permute(1, 2, 0, 3)
         return torch.zeros(blocks, block_size, kv_heads, dim)
 
-    mine, theirs = (pool(), pool()), (pool(), pool())
-    got = cpu_rows.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, *mine, slots)
-    want = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, *theirs, slots)
+    mine, theirs = PagedKV(pool(), pool()), PagedKV(pool(), pool())
+    got = cpu_rows.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, mine, slots)
+    want = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, theirs, slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
     assert mine[0].abs().sum() > 0

@@ -13,6 +13,7 @@ import torch
 
 from megatron_kernels import fp8, reference
 from megatron_kernels import triton_ops as tri
+from megatron_kernels.paged_kv import PagedKV
 
 from .test_kernels import DEVICE, _close, _cos_sin, _gen, _paged_setup, _qkv, _randn
 
@@ -48,10 +49,10 @@ def test_quantize_tiles_cover_ragged_edges():
 # ------------------------------------------------------------------------------------------- KV cache
 
 
-def _fp8_cache(num_blocks, block_size, hkv, head_dim):
+def _fp8_cache(num_blocks, block_size, hkv, head_dim) -> PagedKV:
     k_cache = torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=E4M3, device=DEVICE)
     scales = torch.zeros(num_blocks, block_size, hkv, dtype=torch.float32, device=DEVICE)
-    return k_cache, k_cache.clone(), scales, scales.clone()
+    return PagedKV(k_cache, k_cache.clone(), scales, scales.clone())
 
 
 def _dequantized(cache, scales):
@@ -68,14 +69,14 @@ def test_write_kv_cache_fp8(hkv, head_dim, dtype):
     slots = slots.to(DEVICE)
     ref = _fp8_cache(num_blocks, block_size, hkv, head_dim)
     out = _fp8_cache(num_blocks, block_size, hkv, head_dim)
-    reference.write_kv_cache(key, value, ref[0], ref[1], slots, k_scales=ref[2], v_scales=ref[3])
-    tri.write_kv_cache(key, value, out[0], out[1], slots, k_scales=out[2], v_scales=out[3])
+    reference.write_kv_cache(key, value, ref, slots)
+    tri.write_kv_cache(key, value, out, slots)
     for a, b in zip(out, ref):
         assert torch.equal(a.float(), b.float())
     valid = slots >= 0
-    stored = _dequantized(ref[0], ref[2]).view(-1, hkv, head_dim)[slots[valid]]
+    stored = _dequantized(ref.k, ref.k_scales).view(-1, hkv, head_dim)[slots[valid]]
     _close(stored, key[valid].float(), dict(atol=0, rtol=2.0**-4))
-    assert (ref[2].view(-1, hkv)[slots[~valid]] == 0).all()  # padding wrote nothing
+    assert (ref.k_scales.view(-1, hkv)[slots[~valid]] == 0).all()  # padding wrote nothing
 
 
 def test_rotary_fused_with_fp8_kv_write():
@@ -86,17 +87,15 @@ def test_rotary_fused_with_fp8_kv_write():
     slots = torch.tensor([5, 6, -1, 20, 21, 47, 0]).to(DEVICE)
     ref = _fp8_cache(num_blocks, block_size, hkv, head_dim)
     out = _fp8_cache(num_blocks, block_size, hkv, head_dim)
-    ref_q, ref_k = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, ref[0], ref[1], slots,
-                                                         k_scales=ref[2], v_scales=ref[3])
-    out_q, out_k = tri.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, out[0], out[1], slots,
-                                                   k_scales=out[2], v_scales=out[3])
+    ref_q, ref_k = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, ref, slots)
+    out_q, out_k = tri.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, out, slots)
     _close(out_q, ref_q, dict(atol=2e-2, rtol=2e-2))
     _close(out_k, ref_k, dict(atol=2e-2, rtol=2e-2))
     # scales from the rotated keys the op returned, values exactly as the reference stores them
     valid = slots >= 0
-    torch.testing.assert_close(out[2].view(-1, hkv)[slots[valid]],
+    torch.testing.assert_close(out.k_scales.view(-1, hkv)[slots[valid]],
                                out_k[valid].float().abs().amax(-1) / fp8.FP8_MAX, atol=0, rtol=1e-6)
-    assert torch.equal(out[1].float(), ref[1].float()) and torch.equal(out[3], ref[3])
+    assert torch.equal(out.v.float(), ref.v.float()) and torch.equal(out.v_scales, ref.v_scales)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -104,12 +103,12 @@ def test_rotary_fused_with_fp8_kv_write():
 
 def _fp8_paged_setup(context_lens, hkv, head_dim, block_size, seed):
     """``_paged_setup``'s cache, quantized with one scale per slot and head (keys spread over a wide range)."""
-    k_cache, v_cache, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, torch.float32, seed=seed)
-    k_cache = k_cache * torch.linspace(0.01, 60, k_cache.shape[1], device=DEVICE)[None, :, None, None]
+    plain, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, torch.float32, seed=seed)
+    k_cache = plain.k * torch.linspace(0.01, 60, plain.k.shape[1], device=DEVICE)[None, :, None, None]
     k8, k_scales = fp8.quantize_heads(k_cache.flatten(0, 1))
-    v8, v_scales = fp8.quantize_heads(v_cache.flatten(0, 1))
+    v8, v_scales = fp8.quantize_heads(plain.v.flatten(0, 1))
     shape = k_cache.shape
-    return (k8.view(shape), v8.view(shape), k_scales.view(shape[:3]), v_scales.view(shape[:3]), tables, lens)
+    return PagedKV(k8.view(shape), v8.view(shape), k_scales.view(shape[:3]), v_scales.view(shape[:3])), tables, lens
 
 
 # Attention over dequantized values: only the order of the float32 sums differs from the reference.
@@ -122,17 +121,16 @@ FP8_ATTN_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(
     ((300, 1, 213), 1, 4, 64, 16, torch.float32, 4, 64),  # split-K
 ])
 def test_paged_attention_decode_fp8_kv(context_lens, hkv, group, head_dim, block_size, dtype, splits, block_n):
-    k8, v8, ks, vs, tables, lens = _fp8_paged_setup(context_lens, hkv, head_dim, block_size, seed=24)
+    cache, tables, lens = _fp8_paged_setup(context_lens, hkv, head_dim, block_size, seed=24)
     q = _randn(len(context_lens), hkv * group, head_dim, dtype=dtype, seed=25)
-    expected = reference.paged_attention_decode(q, k8, v8, tables, lens, head_dim**-0.5, k_scales=ks, v_scales=vs)
+    expected = reference.paged_attention_decode(q, cache, tables, lens, head_dim**-0.5)
     from megatron_kernels.triton_decode_attention import paged_attention_decode
 
-    actual = paged_attention_decode(q, k8, v8, tables, lens, head_dim**-0.5, k_scales=ks, v_scales=vs,
-                                    num_splits=splits, block_n=block_n)
+    actual = paged_attention_decode(q, cache, tables, lens, head_dim**-0.5, num_splits=splits, block_n=block_n)
     _close(actual, expected, FP8_ATTN_TOL[dtype])
     # the reference reads the dequantized cache: the same as attending over those values in float32
-    dense = reference.paged_attention_decode(q, k8.float() * ks[..., None], v8.float() * vs[..., None], tables, lens,
-                                             head_dim**-0.5)
+    dequantized = PagedKV(_dequantized(cache.k, cache.k_scales), _dequantized(cache.v, cache.v_scales))
+    dense = reference.paged_attention_decode(q, dequantized, tables, lens, head_dim**-0.5)
     _close(expected, dense, dict(atol=1e-6, rtol=1e-6))
 
 
@@ -144,25 +142,24 @@ def test_paged_attention_decode_fp8_kv(context_lens, hkv, group, head_dim, block
 def test_paged_attention_prefill_fp8_kv(seqs, hkv, group, head_dim, block_size, dtype, block_m, block_n):
     context_lens = [c for c, _ in seqs]
     q_lens = [n for _, n in seqs]
-    k8, v8, ks, vs, tables, lens = _fp8_paged_setup(context_lens, hkv, head_dim, block_size, seed=26)
+    cache, tables, lens = _fp8_paged_setup(context_lens, hkv, head_dim, block_size, seed=26)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(DEVICE)
     q = _randn(sum(q_lens), hkv * group, head_dim, dtype=dtype, seed=27)
-    expected = reference.paged_attention_prefill(q, k8, v8, tables, qsl, lens, head_dim**-0.5, k_scales=ks,
-                                                 v_scales=vs)
+    expected = reference.paged_attention_prefill(q, cache, tables, qsl, lens, head_dim**-0.5)
     from megatron_kernels.triton_prefill_attention import paged_attention_prefill
 
-    actual = paged_attention_prefill(q, k8, v8, tables, qsl, lens, head_dim**-0.5, k_scales=ks, v_scales=vs,
-                                     block_m=block_m, block_n=block_n)
+    actual = paged_attention_prefill(q, cache, tables, qsl, lens, head_dim**-0.5, block_m=block_m, block_n=block_n)
     _close(actual, expected, FP8_ATTN_TOL[dtype])
 
 
 def test_attention_refuses_an_fp8_cache_without_both_scales():
-    k8, v8, ks, _, tables, lens = _fp8_paged_setup((5,), 1, 64, 16, seed=28)
+    cache, tables, lens = _fp8_paged_setup((5,), 1, 64, 16, seed=28)
     q = _randn(1, 1, 64, seed=29)
     with pytest.raises(ValueError, match="both k_scales and v_scales"):
-        tri.paged_attention_decode(q, k8, v8, tables, lens, 0.125, k_scales=ks)
+        tri.paged_attention_decode(q, cache._replace(v_scales=None), tables, lens, 0.125)
     with pytest.raises(ValueError, match="do not fit"):
-        tri.paged_attention_decode(q, k8, v8, tables, lens, 0.125, k_scales=ks[:, :8], v_scales=ks[:, :8])
+        tri.paged_attention_decode(q, cache._replace(k_scales=cache.k_scales[:, :8], v_scales=cache.k_scales[:, :8]),
+                                   tables, lens, 0.125)
 
 
 # ----------------------------------------------------------------------------------------------- GEMMs

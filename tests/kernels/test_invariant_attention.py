@@ -12,6 +12,7 @@ import torch
 
 from megatron_serve.model.attention import AttentionMetadata, ForwardContext, PagedAttention
 
+from megatron_kernels.paged_kv import PagedKV
 from megatron_kernels.triton_invariant_attention import (
     KEY_BLOCK, attend_step, dense_attention, paged_attention, plain_attention, reference_attention)
 
@@ -109,7 +110,7 @@ def _step(q: torch.Tensor, k_cache, v_cache, table, decode: list[tuple[int, int]
           chunks: list[tuple[int, int, int]]) -> torch.Tensor:
     """The step of :func:`_metadata` through :func:`attend_step`, the engine's CUDA call."""
     rows, meta = _metadata(q, table, decode, chunks)
-    return attend_step(rows, meta, k_cache, v_cache, SCALE, torch.full_like(rows, float("nan")))
+    return attend_step(rows, meta, PagedKV(k_cache, v_cache), SCALE, torch.full_like(rows, float("nan")))
 
 
 def test_prefill_decode_chunked_prefix_hit_and_mixed_steps_agree() -> None:
@@ -142,7 +143,7 @@ def test_a_step_reads_its_rows_as_the_cpu_mode_does() -> None:
     on_cpu = AttentionMetadata(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(meta).items()})
     caches = [(k_cache.nan_to_num(0.0).cpu(), v_cache.nan_to_num(0.0).cpu())]
     cpu_mode = attention.attend(rows.cpu(), ForwardContext(on_cpu, caches))
-    kernel = attend_step(rows, meta, k_cache, v_cache, SCALE, torch.empty_like(rows))
+    kernel = attend_step(rows, meta, PagedKV(k_cache, v_cache), SCALE, torch.empty_like(rows))
     torch.testing.assert_close(kernel.cpu(), cpu_mode, atol=1e-5, rtol=1e-5)
 
 
@@ -233,7 +234,7 @@ def test_the_default_decode_kernel_changes_bits_with_its_split_count() -> None:
     k_cache, v_cache, table = Pool().layout(seed=38)
     q = _randn(len(LENGTHS), HEADS, DIM, seed=39)
     lens = torch.tensor(LENGTHS, dtype=torch.int32, device=DEVICE)
-    one, four = (paged_attention_decode(q, k_cache, v_cache, table, lens, SCALE, num_splits=n, block_n=16)
+    one, four = (paged_attention_decode(q, PagedKV(k_cache, v_cache), table, lens, SCALE, num_splits=n, block_n=16)
                  for n in (1, 4))
     torch.testing.assert_close(four, one, atol=1e-5, rtol=1e-5)
     assert not torch.equal(four, one)

@@ -14,6 +14,7 @@ import torch
 
 from megatron_kernels import reference
 from megatron_kernels import triton_ops as tri
+from megatron_kernels.paged_kv import PagedKV
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -161,10 +162,10 @@ def test_apply_rotary_with_tables_in_the_model_dtype_rounds_each_product_as_the_
 # ------------------------------------------------------------------------------------------- KV cache
 
 
-def _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed):
+def _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed) -> PagedKV:
     k_cache = _randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, seed=seed)
     v_cache = _randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, seed=seed + 1)
-    return k_cache, v_cache
+    return PagedKV(k_cache, v_cache)
 
 
 @pytest.mark.parametrize(("hkv", "head_dim", "block_size", "dtype"),
@@ -176,11 +177,11 @@ def test_write_kv_cache(hkv, head_dim, block_size, dtype):
     slots = perm.clone()
     slots[[2, 7]] = -1  # padding tokens are skipped
     slots = slots.to(DEVICE)
-    k_ref, v_ref = _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed=13)
-    k_tri, v_tri = k_ref.clone(), v_ref.clone()
-    reference.write_kv_cache(key, value, k_ref, v_ref, slots)
-    tri.write_kv_cache(key, value, k_tri, v_tri, slots)
-    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    ref = _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed=13)
+    out = PagedKV(ref.k.clone(), ref.v.clone())
+    reference.write_kv_cache(key, value, ref, slots)
+    tri.write_kv_cache(key, value, out, slots)
+    assert torch.equal(out.k, ref.k) and torch.equal(out.v, ref.v)
 
 
 def test_rotary_fused_with_kv_write():
@@ -189,17 +190,17 @@ def test_rotary_fused_with_kv_write():
     cos, sin = _cos_sin(128, 96)  # partial rotary as well
     positions = torch.arange(40, 40 + tokens).to(DEVICE)
     slots = torch.tensor([5, 6, -1, 20, 21, 47, 0]).to(DEVICE)
-    k_ref, v_ref = _empty_cache(num_blocks, block_size, hkv, head_dim, torch.bfloat16, seed=15)
-    k_tri, v_tri = k_ref.clone(), v_ref.clone()
-    ref_q, ref_k = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, k_ref, v_ref, slots)
-    out_q, out_k = tri.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, k_tri, v_tri, slots)
+    ref = _empty_cache(num_blocks, block_size, hkv, head_dim, torch.bfloat16, seed=15)
+    out = PagedKV(ref.k.clone(), ref.v.clone())
+    ref_q, ref_k = reference.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, ref, slots)
+    out_q, out_k = tri.apply_rotary_write_kv_cache(q, k, v, positions, cos, sin, out, slots)
     _close(out_q, ref_q, TOL[torch.bfloat16])
     _close(out_k, ref_k, TOL[torch.bfloat16])
-    assert torch.equal(v_tri, v_ref)
-    _close(k_tri, k_ref, TOL[torch.bfloat16])
+    assert torch.equal(out.v, ref.v)
+    _close(out.k, ref.k, TOL[torch.bfloat16])
     # the cache holds exactly the rotated keys the op returned
     valid = slots >= 0
-    flat = k_tri.view(-1, hkv, head_dim)
+    flat = out.k.view(-1, hkv, head_dim)
     assert torch.equal(flat[slots[valid]], out_k[valid])
 
 
@@ -217,9 +218,8 @@ def _paged_setup(context_lens, hkv, head_dim, block_size, dtype, seed, pad_table
     for i, nb in enumerate(blocks_per_seq):
         tables[i, :nb] = torch.tensor(perm[cursor : cursor + nb], dtype=torch.int32)
         cursor += nb
-    k_cache, v_cache = _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed=seed + 1)
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    return k_cache, v_cache, tables.to(DEVICE), lens.to(DEVICE)
+    return _empty_cache(num_blocks, block_size, hkv, head_dim, dtype, seed=seed + 1), tables.to(DEVICE), lens.to(DEVICE)
 
 
 DECODE_CASES = [
@@ -235,21 +235,21 @@ DECODE_CASES = [
 @pytest.mark.parametrize(("context_lens", "hkv", "group", "head_dim", "block_size", "dtype", "splits", "block_n"),
                          DECODE_CASES)
 def test_paged_attention_decode(context_lens, hkv, group, head_dim, block_size, dtype, splits, block_n):
-    k_cache, v_cache, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, dtype, seed=20)
+    cache, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, dtype, seed=20)
     q = _randn(len(context_lens), hkv * group, head_dim, dtype=dtype, seed=21)
     scale = head_dim**-0.5
-    expected = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
+    expected = reference.paged_attention_decode(q, cache, tables, lens, scale)
     from megatron_kernels.triton_decode_attention import paged_attention_decode
 
-    actual = paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, num_splits=splits, block_n=block_n)
+    actual = paged_attention_decode(q, cache, tables, lens, scale, num_splits=splits, block_n=block_n)
     _close(actual, expected, ATTN_TOL[dtype])
 
 
 def test_paged_attention_decode_default_launch():
-    k_cache, v_cache, tables, lens = _paged_setup((45, 9), 2, 64, 16, torch.bfloat16, seed=22)
+    cache, tables, lens = _paged_setup((45, 9), 2, 64, 16, torch.bfloat16, seed=22)
     q = _randn(2, 8, 64, dtype=torch.bfloat16, seed=23)
-    expected = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125)
-    _close(tri.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125), expected, ATTN_TOL[torch.bfloat16])
+    expected = reference.paged_attention_decode(q, cache, tables, lens, 0.125)
+    _close(tri.paged_attention_decode(q, cache, tables, lens, 0.125), expected, ATTN_TOL[torch.bfloat16])
 
 
 PREFILL_CASES = [
@@ -268,25 +268,25 @@ PREFILL_CASES = [
 def test_paged_attention_prefill(seqs, hkv, group, head_dim, block_size, dtype, block_m, block_n):
     context_lens = [c for c, _ in seqs]
     q_lens = [n for _, n in seqs]
-    k_cache, v_cache, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, dtype, seed=30)
+    cache, tables, lens = _paged_setup(context_lens, hkv, head_dim, block_size, dtype, seed=30)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(DEVICE)
     q = _randn(sum(q_lens), hkv * group, head_dim, dtype=dtype, seed=31)
     scale = head_dim**-0.5
-    expected = reference.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, scale)
+    expected = reference.paged_attention_prefill(q, cache, tables, qsl, lens, scale)
     from megatron_kernels.triton_prefill_attention import paged_attention_prefill
 
-    actual = paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, scale, block_m=block_m, block_n=block_n)
+    actual = paged_attention_prefill(q, cache, tables, qsl, lens, scale, block_m=block_m, block_n=block_n)
     _close(actual, expected, ATTN_TOL[dtype])
 
 
 def test_prefill_single_token_queries_match_decode():
     """A prefill of one query per sequence is a decode step: both kernels agree."""
     context_lens = (19, 64, 7)
-    k_cache, v_cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=40)
+    cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=40)
     q = _randn(3, 8, 64, seed=41)
     qsl = torch.arange(4, dtype=torch.int32).to(DEVICE)
-    decode = tri.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125)
-    prefill = tri.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.125)
+    decode = tri.paged_attention_decode(q, cache, tables, lens, 0.125)
+    prefill = tri.paged_attention_prefill(q, cache, tables, qsl, lens, 0.125)
     _close(prefill, decode, ATTN_TOL[torch.float32])
 
 
@@ -311,14 +311,15 @@ def test_reference_decode_in_length_groups_matches_attention_per_sequence():
     assert [start for start, _, _ in groups] == [0, *(end for _, end, _ in groups[:-1])]
     assert groups[-1][1] == len(context_lens)
     assert reference.decode_groups((300,) * 10, 16, 1) == ((0, 10, 19),)  # one length: one group
-    k_cache, v_cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=42)
+    cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=42)
+    cache = PagedKV(cache.k.cpu(), cache.v.cpu())
     q = _randn(len(context_lens), 8, 64, seed=43)
-    decode = reference.paged_attention_decode(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), 0.125)
+    decode = reference.paged_attention_decode(q.cpu(), cache, tables.cpu(), lens.cpu(), 0.125)
     for row, length in enumerate(context_lens):
         if not length:
             assert decode[row].isnan().all()
             continue
-        alone = reference.paged_attention_prefill(q[row : row + 1].cpu(), k_cache.cpu(), v_cache.cpu(),
-                                                  tables[row : row + 1].cpu(), torch.tensor([0, 1], dtype=torch.int32),
+        alone = reference.paged_attention_prefill(q[row : row + 1].cpu(), cache, tables[row : row + 1].cpu(),
+                                                  torch.tensor([0, 1], dtype=torch.int32),
                                                   lens[row : row + 1].cpu(), 0.125)
         _close(decode[row : row + 1], alone, TOL[torch.float32])

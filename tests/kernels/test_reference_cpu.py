@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron_kernels import dense, reference
 from megatron_kernels.fp8 import quantize_heads
+from megatron_kernels.paged_kv import PagedKV
 from megatron_serve.heap import keep_freed_memory
 
 
@@ -58,14 +59,15 @@ def test_attention_over_a_heads_first_pool_is_the_blocks_first_one_bit_for_bit(d
     tables = _tables(lengths, block_size, num_blocks, seed=2)
     lens = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(len(lengths), heads * group, dim, generator=_gen(3)).to(dtype)
-    decode = [reference.paged_attention_decode(q, *pool, tables, lens, 0.2, **scales) for pool in (plain, heads_first)]
+    plain, heads_first = PagedKV(*plain, **scales), PagedKV(*heads_first, **scales)
+    decode = [reference.paged_attention_decode(q, pool, tables, lens, 0.2) for pool in (plain, heads_first)]
     assert decode[0][lengths.index(0)].isnan().all()  # a padding row attends to nothing
     assert torch.equal(decode[0].nan_to_num(), decode[1].nan_to_num())
     chunks = [(40, 40), (300, 7), (33, 1), (64, 20)]  # (context, queries): whole prompts and chunks after a prefix
     rows = [1, 3, 4, 6]
     starts = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32)
     queries = torch.randn(int(starts[-1]), heads * group, dim, generator=_gen(4)).to(dtype)
-    prefill = [reference.paged_attention_prefill(queries, *pool, tables[rows], starts, lens[rows], 0.2, **scales)
+    prefill = [reference.paged_attention_prefill(queries, pool, tables[rows], starts, lens[rows], 0.2)
                for pool in (plain, heads_first)]
     assert torch.equal(prefill[0], prefill[1])
 

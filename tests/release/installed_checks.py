@@ -99,17 +99,17 @@ def cpu_kernels() -> dict[str, object]:
     """Build (or load) the CPU kernels from the sources the wheel installed, and run each once against the reference."""
     import torch
     from megatron_kernels import cpu_attention, cpu_build, cpu_rows, reference
+    from megatron_kernels.paged_kv import PagedKV
 
-    q, keys, values = torch.randn(2, 4, 64), torch.randn(3, 16, 2, 64), torch.randn(3, 16, 2, 64)
+    q, cache = torch.randn(2, 4, 64), PagedKV(torch.randn(3, 16, 2, 64), torch.randn(3, 16, 2, 64))
     tables, lengths = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
     starts = torch.tensor([0, 1, 2], dtype=torch.int32)  # as prefill: one query row each, the last of its context
     rows, weight = torch.randn(5, 256), torch.randn(128)
     results = {
-        "paged_attention_decode": (cpu_attention.paged_attention_decode(q, keys, values, tables, lengths, 0.125),
-                                   reference.paged_attention_decode(q, keys, values, tables, lengths, 0.125)),
-        "paged_attention_prefill": (
-            cpu_attention.paged_attention_prefill(q, keys, values, tables, starts, lengths, 0.125),
-            reference.paged_attention_prefill(q, keys, values, tables, starts, lengths, 0.125)),
+        "paged_attention_decode": (cpu_attention.paged_attention_decode(q, cache, tables, lengths, 0.125),
+                                   reference.paged_attention_decode(q, cache, tables, lengths, 0.125)),
+        "paged_attention_prefill": (cpu_attention.paged_attention_prefill(q, cache, tables, starts, lengths, 0.125),
+                                    reference.paged_attention_prefill(q, cache, tables, starts, lengths, 0.125)),
         "rms_norm": (cpu_rows.rms_norm(rows[:, :128].contiguous(), weight, 1e-6),
                      reference.rms_norm(rows[:, :128].contiguous(), weight, 1e-6)),
         "silu_and_mul": (cpu_rows.silu_and_mul(rows), reference.silu_and_mul(rows)),

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_kernels import get_op, invariant
 from megatron_kernels.invariant_attention import PagedStep, Workspace
+from megatron_kernels.paged_kv import PagedKV
 
 
 @dataclass
@@ -72,61 +73,55 @@ class PagedAttention(nn.Module):
         self.batch_invariant = False
         self.workspace: Workspace | None = None  # --batch-invariant on CPU: scratch tensors, one per model
 
-    def _cache(self, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """This layer's keys and values, and an FP8 cache's scales as the ops' keywords (see ``KVCachePool``)."""
-        k_cache, v_cache, *fp8_scales = context.kv_caches[self.layer_index]
-        return k_cache, v_cache, dict(zip(("k_scales", "v_scales"), fp8_scales))
+    def _cache(self, context: ForwardContext) -> PagedKV:
+        """This layer's keys and values, with an FP8 cache's scales (see ``KVCachePool``)."""
+        return PagedKV(*context.kv_caches[self.layer_index])
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Rotate ``q``/``k`` by position and store ``k``/``v`` in the cache (one fused kernel); returns rotated ``q``."""
-        k_cache, v_cache, scales = self._cache(context)
+        cache = self._cache(context)
         if self.batch_invariant:  # cos/sin: full-width tables in the model dtype (invariant_rotary_cos_sin)
             cos_t, sin_t = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-            self._write(invariant.rotate(k, cos_t, sin_t), v, k_cache, v_cache, context.metadata.slot_mapping,
-                        **scales)
+            self._write(invariant.rotate(k, cos_t, sin_t), v, cache, context.metadata.slot_mapping)
             return invariant.rotate(q, cos_t, sin_t)
-        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, context.metadata.slot_mapping,
-                                      **scales)
+        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, cache, context.metadata.slot_mapping)
         return q
 
     def attend(self, q: torch.Tensor, context: ForwardContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's rows over the cache, into ``out`` when given (rows past the real ones untouched)."""
         meta = context.metadata
-        k_cache, v_cache, scales = self._cache(context)
+        cache = self._cache(context)
         rows = q.shape[0] if meta.num_tokens is None else meta.num_tokens
         if out is None:
             out = torch.empty_like(q) if rows == q.shape[0] else torch.zeros_like(q)
         if self.batch_invariant:
             if q.is_cuda:  # the Triton kernel: lengths read on the device, so CUDA graphs can capture it
                 from megatron_kernels import triton_invariant_attention  # noqa: PLC0415 - GPU only, needs triton
-                triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows],
-                                                       **scales)
+                triton_invariant_attention.attend_step(q[:rows], meta, cache, self.scale, out[:rows])
                 return out
-            out[:rows] = self._attend_invariant(q[:rows], context, k_cache, v_cache, scales)
+            out[:rows] = self._attend_invariant(q[:rows], context, cache)
             return out
         num_decode = meta.num_decode_tokens
         if num_decode:
-            self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         self.scale, out=out[:num_decode], **scales)
+            self._decode(q[:num_decode], cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                         out=out[:num_decode])
         if num_decode < rows:
-            self._prefill(q[num_decode:rows], k_cache, v_cache, meta.prefill_block_tables,
-                          meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows],
-                          **scales)
+            self._prefill(q[num_decode:rows], cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                          meta.prefill_context_lens, self.scale, out=out[num_decode:rows])
         return out
 
-    def _attend_invariant(self, q: torch.Tensor, context: ForwardContext, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _attend_invariant(self, q: torch.Tensor, context: ForwardContext, cache: PagedKV) -> torch.Tensor:
         """Every row of the step through :class:`megatron_kernels.invariant_attention.PagedStep`: decode rows and
         prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic. The forward's plan (row
         groups, cache slots to read) is made by the first layer and kept on ``context`` for the others."""
         step = context.invariant_step
-        group_heads, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+        group_heads, block_size = q.shape[1] // cache.kv_heads, cache.block_size
         if step is None or (step.group_heads, step.block_size) != (group_heads, block_size):
             step = context.invariant_step = _plan_step(context.metadata, group_heads, block_size, q.device)
         if self.workspace is None:
             self.workspace = Workspace()
-        return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), self.workspace, **scales)
+        return step.attend(q, cache, self.scale, torch.empty_like(q), self.workspace)
 
 
 def _plan_step(meta: AttentionMetadata, group_heads: int, block_size: int, device: torch.device) -> PagedStep:
