@@ -83,11 +83,11 @@ PROMPT_CHARS_PER_CONTEXT_TOKEN = 32
 #   (``top_k`` per generated token, one for a greedy request); with top-p alone their most is the whole
 #   vocabulary per token (156 M ids for 1,024 tokens of a 151,936-id vocabulary, slime's defaults), which
 #   would refuse every such request, so they are counted as the engine produces them instead
-#   (:class:`KeptIdsMeter`) and the request ends once they pass the budget;
+#   (:class:`KeptIdsMeter`, all the request's choices together) and the request ends once they pass it;
 # * **answer bytes**: an estimate of the JSON answer, :data:`TOKEN_BYTES` per returned token,
 #   :data:`LOGPROB_ENTRY_BYTES` per entry (the shapes of both endpoints hold an entry in 30 to 80
 #   bytes: its id or text, its log prob, in vLLM's ``prompt_logprobs`` its rank and decoded text) and
-#   :data:`KEPT_ID_BYTES` per kept id.
+#   :data:`KEPT_ID_BYTES` per kept id (those counted as produced too, by the same meter).
 
 #: Estimated JSON bytes of one log-prob entry in an answer.
 LOGPROB_ENTRY_BYTES = 64
@@ -162,31 +162,51 @@ def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None, *,
 
 
 class KeptIdsMeter:
-    """One engine request's kept ids counted as its engine produces them, against the log-prob budget it was admitted
-    under (beside its log-prob entries, counted up front): top-p alone bounds nothing before the logits are seen, so
-    its ids are counted here rather than refused at their most. The coordinator keeps one per such request on its
-    mirror (every delta of every client passes there, on any engine it moves to), the in-process engine thread one
-    per request it steps."""
+    """A request's kept ids counted as its engines produce them, against the budgets it was admitted under, beside
+    what those counted up front: top-p alone bounds nothing before the logits are seen, so its ids are counted here
+    rather than refused at their most. Its log-prob entries and kept ids share the log-prob budget; where a front door
+    sets one (``--max-response-bytes``), the answer's estimate grows by :data:`KEPT_ID_BYTES` per id too.
 
-    __slots__ = ("budget", "logprobs", "option", "kept", "tokens")
+    One meter counts all the engine requests of a request (its ``n`` choices, its prompts): the budget is per
+    request, as its up-front count and SGLang's and vLLM's request limits are, so two choices share it. Once over it
+    stays over, and each of them ends at its next step. The count lives where the deltas arrive and is only ever
+    added to, so the ids already delivered stay counted when the request moves to another engine. The HTTP server
+    keeps one per HTTP request beside its client's pending requests; the coordinator and the in-process engine thread
+    one per engine request, their own bound for any client."""
 
-    def __init__(self, cost: Cost, budget: int, option: str) -> None:
-        """``cost``: the request's, counted at admission (its kept ids there are their bound, not counted again)."""
-        self.budget, self.logprobs, self.option = budget, cost.logprobs, option
-        self.kept = self.tokens = 0
+    __slots__ = ("budget", "option", "max_bytes", "logprobs", "base_bytes", "choices", "kept", "tokens", "reason")
+
+    def __init__(self, cost: Cost, budget: int, option: str, *, max_bytes: int | None = None, choices: int = 1,
+                 kept: int = 0, tokens: int = 0) -> None:
+        """``cost``: the request's, all its choices, counted at admission (its kept ids there are their bound, not
+        counted again); ``kept`` and ``tokens``: ids already delivered, and the tokens they came with (a request
+        submitted again to go on from its tokens)."""
+        self.budget, self.option, self.max_bytes, self.choices = budget, option, max_bytes, choices
+        self.logprobs, self.base_bytes = cost.logprobs, cost.answer_bytes - cost.kept_ids * KEPT_ID_BYTES
+        self.kept, self.tokens = kept, tokens
+        self.reason: str | None = None
 
     def add(self, per_token: Sequence[Sequence[int]] | None) -> str | None:
-        """Count one delta's kept ids (a list per new token); why the request is now over the budget (SGLang's words
-        for its length limits, naming the cap and the figures), or None."""
+        """Count one delta's kept ids (a list per new token); why the request is over a budget (SGLang's words for
+        its length limits, naming the cap, the option that sets it and the figures), or None."""
+        if self.reason is not None:
+            return self.reason
         if per_token:
             self.kept += sum(map(len, per_token))
             self.tokens += len(per_token)
-        if self.logprobs + self.kept <= self.budget:
-            return None
-        return (f"Top-p token ids and log probs exceed this server's budget of {self.budget:,} per request "
-                f"({self.option}). The request produced {self.kept:,} top-p token ids in {self.tokens:,} new tokens "
-                f"beside {self.logprobs:,} log probs, and was ended. Please set top_k, lower top_p, or reduce "
-                "max_new_tokens or the number of choices.")
+        produced = f"{self.kept:,} top-p token ids in {self.tokens:,} new tokens" + (
+            f" of its {self.choices} choices" if self.choices > 1 else "")
+        advice = "and was ended. Please set top_k, lower top_p, or reduce max_new_tokens or the number of choices."
+        if self.logprobs + self.kept > self.budget:
+            self.reason = (f"Top-p token ids and log probs exceed this server's budget of {self.budget:,} per request "
+                           f"({self.option}). The request produced {produced} beside {self.logprobs:,} log probs, "
+                           f"{advice}")
+        elif self.max_bytes is not None and self.base_bytes + self.kept * KEPT_ID_BYTES > self.max_bytes:
+            self.reason = (f"The answer with its top-p token ids exceeds this server's budget of {self.max_bytes:,} "
+                           f"bytes per answer (--max-response-bytes). The request produced {produced}, about "
+                           f"{self.base_bytes + self.kept * KEPT_ID_BYTES:,} bytes with the rest of its answer "
+                           f"({KEPT_ID_BYTES} per top-p token id), {advice}")
+        return self.reason
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,32 @@ def test_kept_ids_past_the_budget_as_produced_end_the_request_and_the_next_is_se
 def test_an_engines_hello_carries_its_vocabulary(tiny_model):
     engine = DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(dtype="float32", num_kv_blocks=8))
     assert engine.facts().hello_info()["vocab_size"] == ModelConfig.from_dir(tiny_model).vocab_size
+
+
+def _resubmitted(kept_ids: int | None) -> tuple[CoreHarness, str]:
+    """A coordinator that has just started again (a fresh core) and its engine, the client's request resubmitted to go
+    on from its two tokens (its 200 kept ids delivered before), ``kept_ids`` as the client counts them (None: as
+    before, not sent), dispatched again."""
+    h = CoreHarness(max_request_logprobs=250)
+    h.client(C)
+    engine = h.engine(E1)
+    h.send(C, Header.SUBMIT, Submit(client_request_id="wide", prompt=[1, 2, 3], generated_tokens=[11, 12],
+                                    kept_ids=kept_ids, sampling_params=msgspec.Raw(msgspec.msgpack.encode(NUCLEUS))))
+    assert h.take(E1, Header.ENGINE_SUBMIT)
+    return h, engine
+
+
+def test_a_resubmission_after_a_coordinator_restart_goes_on_counting_the_ids_delivered_before():
+    """The ids a client already has stay counted when the request is submitted again (the client sends their count
+    with its tokens: tests/client/test_kept_ids_meter.py): 100 more pass the budget of 250. The control, the same
+    resubmission without the count: the coordinator's count starts again at 0, and the request goes on."""
+    h, engine = _resubmitted(kept_ids=200)
+    _step(h, engine, "c1/wide", 13, list(range(100)))
+    (result,) = h.take(C, Header.RESULT)
+    assert (result.request["status"], result.request["finish_reason"]) == ("FAILED", "length")
+    assert "300 top-p token ids in 3 new tokens" in result.request["error"]
+    assert [a.request_id for a in h.take(E1, Header.ABORT)] == ["c1/wide"]
+
+    control, engine = _resubmitted(kept_ids=None)
+    _step(control, engine, "c1/wide", 13, list(range(100)))
+    assert not control.take(C, Header.RESULT) and not control.take(E1, Header.ABORT)

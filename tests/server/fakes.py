@@ -97,7 +97,9 @@ class FakeBackend:
             self.running.discard(request_id)
 
     def add_request(self, prompt: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
-                    placement: Placement | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+                    placement: Placement | None = None, meter: Any = None
+                    ) -> "asyncio.Future[DynamicInferenceRequest]":
+        # ``meter``: its request's kept ids' budget; this fake keeps no top-p ids, so there is nothing to count
         one_engine(placement)  # one engine, as the in-process client: rank 0 only
         async def collect() -> DynamicInferenceRequest:
             final = None
@@ -123,7 +125,7 @@ class FakeBackend:
                 self.abort(request_id)
 
     def add_request_streaming_to(self, prompt: list[int], sampling_params: SamplingParams, sink: Any, *,
-                                 request_id: str, placement: Placement | None = None) -> str:
+                                 request_id: str, placement: Placement | None = None, meter: Any = None) -> str:
         """Its stream's items put into ``sink`` as they come (a task of its own here: the real clients' receive
         loops put them); an abort cancels the task."""
         one_engine(placement)

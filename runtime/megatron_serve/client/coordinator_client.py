@@ -34,7 +34,7 @@ import msgspec
 from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from .link import ClientLink
-from ..limits import DEFAULT_COORDINATOR_GRACE
+from ..limits import DEFAULT_COORDINATOR_GRACE, KeptIdsMeter
 from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
 from ..wire.placement import PLACEMENT_PROTOCOL, Placement, PlacementError
 from ..multimodal import PromptImage
@@ -274,7 +274,8 @@ class InferenceClient(FleetVerbs):
 
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
                      request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None,
-                     sink: Sink | None = None, placement: Placement | None = None) -> PendingRequest:
+                     sink: Sink | None = None, placement: Placement | None = None,
+                     meter: KeptIdsMeter | None = None) -> PendingRequest:
         self._require_started()
         self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
@@ -295,7 +296,8 @@ class InferenceClient(FleetVerbs):
         collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else tokens, params, self.tokenizer,
                                     prompt_tokens=tokens)
         pending = PendingRequest(request_id, tokens, params, stream, self._loop.create_future(), collector,
-                                 sink if sink is not None else asyncio.Queue() if stream else None, placement=placement)
+                                 sink if sink is not None else asyncio.Queue() if stream else None, placement=placement,
+                                 meter=meter)
         if placed:
             pending.images = [image.to_wire() for image in placed]
             encode(Header.SUBMIT, pending.submit_body())  # too large a frame: ValueError here, nothing sent
@@ -320,7 +322,8 @@ class InferenceClient(FleetVerbs):
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | dict | None = None, *,
                     request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
-                    placement: Placement | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+                    placement: Placement | None = None, meter: KeptIdsMeter | None = None
+                    ) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished ``DynamicInferenceRequest``.
 
         Failed requests (too long, aborted) resolve normally with ``status`` FAILED; a request the
@@ -329,8 +332,11 @@ class InferenceClient(FleetVerbs):
         (placed here, by the model's processor), or ``PromptImage``s already placed in token-id prompts.
         ``placement``: its session (kept on one engine) and data-parallel rank (pinned to one): docs/kv-routing.md; a
         rank no engine holds raises :class:`~megatron_serve.wire.placement.PlacementError` (a ``ValueError``).
+        ``meter``: its request's kept ids' budget, counted here as they arrive (perhaps shared with the request's other
+        choices): past it the request ends FAILED, reason ``length``, and its engine drops it.
         """
-        return self._new_pending(prompt, sampling_params, request_id, False, images, placement=placement).future
+        return self._new_pending(prompt, sampling_params, request_id, False, images, placement=placement,
+                                 meter=meter).future
 
     async def add_request_streaming(self, prompt: Prompt,
                                     sampling_params: SamplingParams | dict | None = None, *,
@@ -353,11 +359,12 @@ class InferenceClient(FleetVerbs):
 
     def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams | dict | None, sink: Sink, *,
                                  request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
-                                 placement: Placement | None = None) -> str:
+                                 placement: Placement | None = None, meter: KeptIdsMeter | None = None) -> str:
         """Submit one prompt whose :class:`StreamPartial` items, final request or error the receive loop puts straight
         into ``sink`` (no task per stream, as :meth:`add_request_streaming` needs: a wake-up less per chunk for
-        the HTTP server); returns its id. The caller aborts it (:meth:`abort`) when it stops listening."""
-        return self._new_pending(prompt, sampling_params, request_id, True, images, sink, placement).request_id
+        the HTTP server); returns its id. The caller aborts it (:meth:`abort`) when it stops listening. ``meter``: as
+        :meth:`add_request`."""
+        return self._new_pending(prompt, sampling_params, request_id, True, images, sink, placement, meter).request_id
 
     def abort(self, request_id: str) -> None:
         """Abort a pending request; its future resolves with ``finish_reason`` ``abort``."""

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
 
+import msgspec
 import torch
 
 from ..config import InferenceConfig
@@ -41,7 +42,8 @@ from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
 from ..multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
-from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
+from ..wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent,
+                            RequestStatus)
 from ..wire.submission import WireImage
 from ..wire.sampling_params import SamplingParams
 from .streams import Sink, iterate_stream
@@ -55,13 +57,22 @@ logger = logging.getLogger("megatron_serve.async_llm")
 _Told = BaseException | list[int] | FinalRecord | None
 
 
-def _posts(out: StepOutput, failure: ValueError | None = None) -> list[tuple[str, RequestDelta | _Told]]:
-    """What one step output tells its request's loop: its delta, then its ``failure`` or (finished) its final
-    record."""
+def _posts(out: StepOutput, ended: FinalRecord | None = None) -> list[tuple[str, RequestDelta | _Told]]:
+    """What one step output tells its request's loop: its delta, then its final record: ``ended`` (ended here) or,
+    finished, the engine's."""
     delta = step_delta(out)
-    if failure is not None:
-        return [(out.request_id, delta), (out.request_id, failure)]
+    if ended is not None:
+        return [(out.request_id, delta), (out.request_id, ended)]
     return [(out.request_id, delta), (out.request_id, out.final)] if out.finished else [(out.request_id, delta)]
+
+
+def _over_budget(request_id: str, record: Any, reason: str) -> FinalRecord:
+    """The final record of a request its kept ids' budget ended (``record``: the engine's as it dropped it, if
+    any), as a coordinator's: FAILED, reason ``length``, the error naming the budget."""
+    base = record if isinstance(record, FinalRecord) else FinalRecord(request_id=request_id)
+    now = time.time()
+    return msgspec.structs.replace(base, status=RequestStatus.FAILED, finish_reason=FinishReason.LENGTH, error=reason,
+                                   events=[*base.events, RequestEvent(EventType.FAIL, now, reason)], finish_time=now)
 
 
 def build_engine(model: str | Path | LlamaForCausalLM, inference_config: InferenceConfig | None,
@@ -139,8 +150,9 @@ class EngineThread:
             self._thread.start()
 
     def submit(self, prompt: Prompt, params: SamplingParams, stream: bool, request_id: str | None = None,
-               sink: Sink | None = None) -> tuple[str, asyncio.Future, Any]:
-        """``sink``: where a stream's items go (a queue made here without one)."""
+               sink: Sink | None = None, meter: KeptIdsMeter | None = None) -> tuple[str, asyncio.Future, Any]:
+        """``sink``: where a stream's items go (a queue made here without one); ``meter``: the request's kept ids'
+        budget, counted on the caller's loop as they arrive (the engine thread keeps its own, per engine request)."""
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._pending:
@@ -149,7 +161,8 @@ class EngineThread:
         items = sink if sink is not None else asyncio.Queue() if stream else None
         text_prompt = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
         collector = OutputCollector(request_id, text_prompt, params, self.engine.tokenizer)
-        self._pending.add(PendingRequest(request_id, text_prompt, params, stream, future, collector, items))
+        self._pending.add(PendingRequest(request_id, text_prompt, params, stream, future, collector, items,
+                                         meter=meter))
         self.start()
         with self._arriving_lock:
             self._arriving.append((request_id, prompt, params, loop))
@@ -214,8 +227,11 @@ class EngineThread:
                     self._count(self._pending.on_final(request_id, value))
                 continue
             stopped = self._pending.on_delta(item.request_id, item)
-            if stopped is not None:
-                self.completed += 1
+            if stopped is not None:  # a stop string (completed) or its request's budget (failed) ended it
+                if stopped.collector.stopped:
+                    self.completed += 1
+                else:
+                    self.failed += 1
                 if not item.finished:
                     self.abort(item.request_id)
 
@@ -289,17 +305,16 @@ class EngineThread:
             if outputs:
                 self._post([post for out in outputs for post in _posts(out, over.get(out.request_id))])
 
-    def _metered(self, outputs: list[StepOutput]) -> dict[str, ValueError]:
+    def _metered(self, outputs: list[StepOutput]) -> dict[str, FinalRecord]:
         """Count the step's kept ids; each request they carry past the budget is dropped by the engine (it computes
-        no more for it) and fails with the error naming the budget, after this step's tokens (as a coordinator ends
-        it; vLLM raises ValueError for a request over a limit)."""
-        over: dict[str, ValueError] = {}
+        no more for it) and ends after this step's tokens as a coordinator ends it (FAILED, reason ``length``, the
+        error naming the budget), so that a server answers both alike."""
+        over: dict[str, FinalRecord] = {}
         for out in outputs:
             meter = self._kept.get(out.request_id)
             reason = None if meter is None else meter.add(out.top_p_token_ids)
             if reason is not None:
-                self.engine.abort_request(out.request_id)
-                over[out.request_id] = ValueError(reason)
+                over[out.request_id] = _over_budget(out.request_id, self.engine.abort_request(out.request_id), reason)
             if out.finished or reason is not None:
                 self._kept.pop(out.request_id, None)
         return over
@@ -371,12 +386,13 @@ class LocalEngineClient:
         return self
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *, request_id: str | None = None,
-                    images: list[bytes | PromptImage] | None = None, placement: Placement | None = None
-                    ) -> "asyncio.Future[DynamicInferenceRequest]":
-        """Submit one prompt; the future resolves to the finished request."""
+                    images: list[bytes | PromptImage] | None = None, placement: Placement | None = None,
+                    meter: KeptIdsMeter | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        """Submit one prompt; the future resolves to the finished request. ``meter``: as
+        :meth:`InferenceClient.add_request <megatron_serve.client.coordinator_client.InferenceClient.add_request>`."""
         one_engine(placement)
         prompt = ImagePrompt(prompt, images) if images else prompt
-        return self._thread.submit(prompt, sampling_params, stream=False, request_id=request_id)[1]
+        return self._thread.submit(prompt, sampling_params, stream=False, request_id=request_id, meter=meter)[1]
 
     async def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
                                     request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
@@ -390,12 +406,14 @@ class LocalEngineClient:
 
     def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams, sink: Sink, *,
                                  request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
-                                 placement: Placement | None = None) -> str:
+                                 placement: Placement | None = None, meter: KeptIdsMeter | None = None) -> str:
         """Submit one prompt whose pieces, final request or error the caller's loop puts straight into ``sink`` as the
-        engine thread hands them over (no task per stream); its id. The caller aborts it when it stops listening."""
+        engine thread hands them over (no task per stream); its id. The caller aborts it when it stops listening.
+        ``meter``: as :meth:`add_request`."""
         one_engine(placement)
         prompt = ImagePrompt(prompt, images) if images else prompt
-        return self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id, sink=sink)[0]
+        return self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id, sink=sink,
+                                   meter=meter)[0]
 
     @property
     def connected(self) -> bool:

@@ -207,12 +207,21 @@ class OutputCollector:
 
     def finish_stopped(self) -> DynamicInferenceRequest:
         """The record of a request a stop string ended here (its engine may still run it: abort it)."""
+        return self._ended_here(RequestStatus.COMPLETED, FinishReason.STOP, EventType.FINISH, "stop string")
+
+    def finish_over_budget(self, reason: str) -> DynamicInferenceRequest:
+        """The record of a request its kept ids' budget ended here, as a coordinator ends one (FAILED, reason
+        ``length``, the error naming the budget): the server answers it as a request over a limit."""
+        return self._ended_here(RequestStatus.FAILED, FinishReason.LENGTH, EventType.FAIL, reason, error=reason)
+
+    def _ended_here(self, status: RequestStatus, reason: FinishReason, event: EventType, detail: str,
+                    error: str | None = None) -> DynamicInferenceRequest:
         now = time.time()
         events = [RequestEvent(EventType.ADD, self.arrival_time)]
         if self.first_token_time is not None:
             events.append(RequestEvent(EventType.FIRST_TOKEN, self.first_token_time))
-        events.append(RequestEvent(EventType.FINISH, now, "stop string"))
+        events.append(RequestEvent(event, now, detail))
         return self.finish(FinalRecord(
-            request_id=self.request_id, status=RequestStatus.COMPLETED, finish_reason=FinishReason.STOP,
+            request_id=self.request_id, status=status, finish_reason=reason, error=error,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finish_time=now,
             cached_tokens=self.out.cached_tokens or 0, events=events))

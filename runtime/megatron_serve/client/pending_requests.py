@@ -5,7 +5,9 @@ Both engine clients keep them: :class:`~megatron_serve.client.coordinator_client
 :mod:`megatron_serve.client.local_engine` (the engine thread hands it each step's deltas). Each pending
 request holds its :class:`~megatron_serve.client.output_processor.OutputCollector`: deltas become stream
 pieces and text here, a stop string ends the request here (the caller then aborts it where it
-runs), and the final record (how it went) becomes the public result there, built once. A request is resolved
+runs), so does the request's budget for kept ids (a :class:`~megatron_serve.limits.KeptIdsMeter` its caller gave,
+perhaps shared with the request's other choices: the ids delivered stay counted wherever the request runs next), and
+the final record (how it went) becomes the public result there, built once. A request is resolved
 exactly once: whatever arrives for it afterwards (the result of a request a stop string ended, a
 duplicate after a reconnect) finds nothing pending and is dropped.
 """
@@ -18,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import msgspec
 
+from ..limits import KeptIdsMeter
 from ..wire.deltas import TokenDelta, delta_past
 from ..wire.placement import Placement
 from .output_processor import OutputCollector
@@ -40,6 +43,7 @@ class PendingRequest:
     aborted: bool = False
     images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
     placement: Placement | None = None  # its session and data-parallel rank (wire.placement)
+    meter: KeptIdsMeter | None = None  # its request's kept ids counted as delivered (on_delta)
     put: Callable[[Any], None] | None = field(init=False, repr=False)  # the queue's put_nowait, bound once
 
     def __post_init__(self) -> None:
@@ -51,6 +55,9 @@ class PendingRequest:
                                 "sampling_params": self.sampling_params, "stream": self.stream}
         if self.collector.tokens:
             body["generated_tokens"] = self.collector.tokens
+            kept = sum(map(len, self.collector.out.top_p_token_ids))
+            if kept:  # counted where it goes on as they were before (a coordinator's own bound)
+                body["kept_ids"] = kept
         if self.images:
             body["images"] = self.images
         if self.placement is not None:
@@ -102,7 +109,8 @@ class PendingRequests:
 
     def on_delta(self, request_id: Any, delta: TokenDelta, start: int | None = None) -> PendingRequest | None:
         """Take a request's new tokens (``start``: a catch-up's, from generated token ``start`` on); returns the
-        request when a stop string ended it here (resolved already: the caller aborts it where it runs)."""
+        request when a stop string or its kept ids' budget ended it here (resolved already, the budget's as FAILED
+        with reason ``length`` as a coordinator ends it: the caller aborts it where it runs)."""
         pending = self._by_id.get(str(request_id))
         if pending is None:
             return None
@@ -114,10 +122,12 @@ class PendingRequests:
         partial = collector.add(delta)
         if pending.put is not None and (partial.new_tokens or partial.new_text):
             pending.put(partial)
-        if not collector.stopped:
+        over = None if collector.stopped or pending.meter is None else pending.meter.add(delta.top_p_token_ids)
+        if not collector.stopped and over is None:
             return None
         del self._by_id[pending.request_id]
-        pending.resolve(collector.finish_stopped(), tail=False)  # its piece above had the whole rest
+        ended = collector.finish_stopped() if over is None else collector.finish_over_budget(over)
+        pending.resolve(ended, tail=False)  # its piece above had the whole rest
         return pending
 
     def on_final(self, request_id: Any, record: FinalRecord | msgspec.Raw | None) -> DynamicInferenceRequest | None:

@@ -88,7 +88,9 @@ class RequestFlow:
             if over is not None:
                 raise ValueError(over)
             if params.return_top_p_token_ids:  # top-p alone bounds nothing up front: counted as produced (on_step)
-                record.kept = KeptIdsMeter(cost, self.max_request_logprobs, "--max-request-logprobs")
+                kept = body.kept_ids or 0  # a resubmission's, delivered before: still counted
+                record.kept = KeptIdsMeter(cost, self.max_request_logprobs, "--max-request-logprobs", kept=kept,
+                                           tokens=len(body.generated_tokens or ()) if kept else 0)
             admit(record, body.placement, self._engines.values())  # its session, its engine if pinned
         except ValueError as exc:
             self._out.send(identity, Header.ERROR,

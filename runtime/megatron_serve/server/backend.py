@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # annotations only: the server's modules that hold a backend 
     import asyncio
 
     from ..client.streams import Sink
+    from ..limits import KeptIdsMeter
     from ..multimodal import PromptImage
     from ..wire.lifecycle import Verb
     from ..wire.placement import Placement
@@ -34,15 +35,17 @@ class Backend(Protocol):
         does): a status that comes late then means busy, not unreachable (:mod:`.fleet`)."""
 
     def add_request(self, prompt: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
-                    images: list[PromptImage] | None = None, placement: Placement | None = None
-                    ) -> "asyncio.Future[DynamicInferenceRequest]":
-        """Submit one prompt; the future resolves to the finished request."""
+                    images: list[PromptImage] | None = None, placement: Placement | None = None,
+                    meter: KeptIdsMeter | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        """Submit one prompt; the future resolves to the finished request. ``meter``: its HTTP request's kept ids'
+        budget, counted as the ids arrive and shared by the request's engine requests (past it each ends FAILED,
+        reason ``length``)."""
 
     def add_request_streaming_to(self, prompt: list[int], sampling_params: SamplingParams, sink: Sink, *,
                                  request_id: str | None = None, images: list[PromptImage] | None = None,
-                                 placement: Placement | None = None) -> str:
+                                 placement: Placement | None = None, meter: KeptIdsMeter | None = None) -> str:
         """Submit one prompt whose pieces, final request or error go straight into ``sink`` as they arrive (no task
-        per stream); its id. The caller aborts it when it stops listening."""
+        per stream); its id. The caller aborts it when it stops listening. ``meter``: as :meth:`add_request`."""
 
     def abort(self, request_id: str) -> None:
         """Abort a pending request: it finishes with ``finish_reason`` ``abort``."""

@@ -15,7 +15,7 @@ from .errors import shutting_down
 from .backend import Backend
 from .fleet import FleetMonitor
 from .generation import PendingCounter, Submission
-from .intake import Workers, check_choices
+from .intake import Workers, check_choices, kept_ids_meter
 from .live import LiveSubmissions
 from .metrics import ServerMetrics
 from .request_log import RequestLog
@@ -91,7 +91,8 @@ class ServerContext:
         ticket = None if self.tenancy is None else self.tenancy.admit(jobs)  # 429, 503; tags the jobs
         try:
             submission = Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label,
-                                    self.request_log, self.stream_interval, ticket=ticket)
+                                    self.request_log, self.stream_interval, ticket=ticket,
+                                    meter=kept_ids_meter(jobs, self.limits))
         except BaseException:
             if ticket is not None:
                 ticket.close()

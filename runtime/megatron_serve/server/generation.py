@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
 from ..errors import ClientNotStarted
+from ..limits import KeptIdsMeter
 from ..wire.placement import PlacementError
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .drain import Stopping
@@ -133,11 +134,13 @@ def merge_pieces(first: StreamPartial | None, then: StreamPartial) -> StreamPart
                          [*first.listed_top_log_probs, *then.listed_top_log_probs])
 
 
-def _images(job: EngineJob) -> dict[str, Any]:
-    """The backend's ``images`` and ``placement`` arguments, for jobs that have them only."""
+def _extras(job: EngineJob, meter: KeptIdsMeter | None) -> dict[str, Any]:
+    """The backend's ``images``, ``placement`` and ``meter`` arguments, for jobs that have them only."""
     extra: dict[str, Any] = {"images": job.prompt.images} if job.prompt.images else {}
     if job.placement is not None:
         extra["placement"] = job.placement
+    if meter is not None:
+        extra["meter"] = meter
     return extra
 
 
@@ -160,6 +163,7 @@ class Submission:
     started: float = field(default_factory=time.monotonic)
     ticket: Ticket | None = None  # its tenant's reservation (server.tenant_admission), settled and freed here
     window: int | None = None  # engine requests submitted at once, the rest as these finish (None: SUBMIT_WINDOW)
+    meter: KeptIdsMeter | None = None  # its kept ids' budget, all its engine requests' ids counted together
 
     def __post_init__(self) -> None:
         self.window = self.window or SUBMIT_WINDOW
@@ -270,7 +274,7 @@ class Submission:
                 job, slot = self.jobs[index], futures[index]
                 try:
                     landed = self.backend.add_request(job.prompt.tokens, job.params, request_id=self.ids[index],
-                                                      **_images(job))
+                                                      **_extras(job, self.meter))
                 except Exception as exc:  # refused synchronously (e.g. a closed client): its error, in its place
                     slot.set_exception(exc)
                     slot.exception()  # see _landed
@@ -340,7 +344,7 @@ class Submission:
             job, rid = self.jobs[index], self.ids[index]
             try:
                 self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
-                                                      request_id=rid, **_images(job))
+                                                      request_id=rid, **_extras(job, self.meter))
             except Exception as exc:  # refused at once (e.g. a lost coordinator): reported as an item
                 self.deliver(job, rid, exc)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..limits import Cost, RequestLimits, engine_request_cost, over_budget
+from ..limits import Cost, KeptIdsMeter, RequestLimits, engine_request_cost, over_budget
 from .errors import APIError, bad_request, validation_error
 from .http_layer import HTTPLayer
 from .models import (
@@ -199,6 +199,17 @@ def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt
     if reason is not None:
         raise APIError(400, reason, code="over_budget")
     return cost
+
+
+def kept_ids_meter(jobs: list[EngineJob], limits: RequestLimits) -> KeptIdsMeter | None:
+    """The meter of a request whose engine requests keep their top-p ids (None for others): one for all of them, so
+    that their ids are counted together, as they arrive, against both budgets (what a request's answer holds besides
+    them counted at their most, as :func:`check_budget` does)."""
+    if not any(job.params.return_top_p_token_ids for job in jobs):
+        return None
+    cost = sum((engine_request_cost(len(job.prompt.tokens), job.params) for job in jobs), Cost())
+    return KeptIdsMeter(cost, limits.max_request_logprobs, "--max-request-logprobs",
+                        max_bytes=limits.max_response_bytes, choices=len(jobs))
 
 
 def check_logprobs(req: _SamplingRequest, limit: int) -> None:

@@ -32,6 +32,7 @@ class Submit(Body):
     sampling_params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # absent or nil: the defaults
     stream: bool | None = None
     generated_tokens: list[TokenId] | None = None  # resubmission after a coordinator restart: continue
+    kept_ids: int | None = None  # with them: the kept ids (return_top_p_token_ids) they came with, still counted
     images: list[WireImage] | None = None  # one per image placeholder of the prompt, in order
     placement: Placement | None = None  # protocol 7: its session and data-parallel rank (wire.placement)
 
