@@ -3,18 +3,29 @@ ids without top_k (slime's default ``--rollout-top-k -1``) are counted as the en
 coordinator's ``--max-request-logprobs`` (``run`` gives it the server's figure). Under a budget of 2 x the vocabulary
 + 2, a 2-token request is served whatever its sets; a 64-token one at temperature 1.5 and top_p 0.99 passes the
 budget with its real ids and ends with the cap named: a 400 ``over_budget`` whole, a final error event streamed. The
-fleet serves the next request."""
+fleet serves the next request.
+
+Killed under it: the engine that holds such a request is SIGKILLed (both engines frozen first, so that the kill meets
+the request mid-way however fast the machine is) once its stream has 120 tokens, under a budget of 200 tokens' worth of
+ids; the request goes on on the other engine and ends over the budget at a token that the ids produced after the kill
+alone, a vocabulary per token at most, could not have reached: the ids delivered before stayed counted."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 from typing import Any
 
 import httpx
 import pytest
 
 from megatron_serve.model.config import ModelConfig
+
+from megatron_serve.client.coordinator_client import InferenceClient
+from tests.processes import stop_process_group
+from tests.run_stack import RunStack, start_run
 
 from ..conftest import served_run
 
@@ -55,3 +66,51 @@ def test_kept_ids_past_the_budget_end_the_request_and_the_fleet_serves_the_next(
 
         again = _generate(http, SHORT)
         assert again.status_code == 200, again.text
+
+
+async def _holder_killed(stack: RunStack) -> int:
+    """Freeze both engines, SIGKILL the one holding the request (the coordinator's status says which), wake the
+    other; the killed pid."""
+    engines = stack.children()["engine"]
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        async with InferenceClient(stack.coordinator(), stack.secret(), role="control") as control:
+            status = await control.status()
+        (victim,) = [int(e["info"]["pid"]) for e in status["engines"] if e["assigned"] > 0]
+        os.kill(victim, signal.SIGKILL)
+        return victim
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def test_kept_ids_delivered_before_an_engine_is_killed_stay_counted(tiny_model, tmp_path):
+    vocab = ModelConfig.from_dir(tiny_model).vocab_size
+    budget, frozen_at, most = 200 * (vocab - 6), 120, 400  # ~200 tokens of ids at temperature 1.5, top_p 0.99
+    stack = start_run(tiny_model, tmp_path / "run", "--max-request-logprobs", str(budget), engines=2)
+    try:
+        seen, at_kill, last, victim = 0, 0, {}, None
+        async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
+            body = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {**WIDE, "max_new_tokens": most}}
+            async with http.stream("POST", "/generate", json=body) as answer:
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    last = json.loads(line[len("data: "):])
+                    seen = len(last.get("output_ids", ())) or seen
+                    if victim is None and seen >= frozen_at:
+                        victim, at_kill = await _holder_killed(stack), seen
+        assert victim is not None, f"the stream ended at {seen} tokens, before the kill"
+        message = json.dumps(last)  # the stream's final event: the error
+        assert f"budget of {budget:,} per request (--max-request-logprobs)" in message, last
+        produced = re.search(r"produced ([0-9,]+) top-p token ids in ([0-9,]+) new tokens", message)
+        assert produced is not None, last
+        kept, tokens = (int(produced.group(i).replace(",", "")) for i in (1, 2))
+        assert kept > budget and at_kill < seen <= tokens < most, (kept, at_kill, seen, tokens)  # moved, then ended
+        assert (tokens - at_kill) * vocab <= budget, (tokens, at_kill)  # the ids after the kill alone could not pass
+        print(f"\nkilled engine {victim} at {at_kill} tokens; ended at {tokens} tokens with {kept:,} ids (budget "
+              f"{budget:,})")
+    finally:
+        stop_process_group(stack.proc)
+        stack.kill()
