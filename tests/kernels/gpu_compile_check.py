@@ -100,11 +100,11 @@ def main(capability: int, quick: bool = False) -> int:
 
     from megatron_kernels import _triton_utils, fp8  # noqa: PLC0415
     from megatron_kernels import triton_activation, triton_decode_attention, triton_kv_cache  # noqa: PLC0415
-    from megatron_kernels import triton_fp8_linear, triton_moe, triton_norm  # noqa: PLC0415
+    from megatron_kernels import triton_fp8_linear, triton_lora, triton_moe, triton_norm  # noqa: PLC0415
     from megatron_kernels import triton_invariant_attention, triton_prefill_attention, triton_rotary  # noqa: PLC0415
 
     modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_moe, triton_norm,
-               triton_prefill_attention, triton_rotary, triton_fp8_linear)
+               triton_prefill_attention, triton_rotary, triton_fp8_linear, triton_lora)
     for module in modules:  # GPU launch heuristics on CPU tensors
         if hasattr(module, "interpreted"):
             module.interpreted = lambda t: False
@@ -117,6 +117,7 @@ def main(capability: int, quick: bool = False) -> int:
 
     from megatron_kernels import triton_ops as ops  # noqa: PLC0415
     from megatron_kernels.paged_kv import PagedKV  # noqa: PLC0415
+    from megatron_kernels.reference_lora import LoraBatch  # noqa: PLC0415
 
     # heads of 8 and 12 (the parity search's small models) pad to tl.dot's 16 (a GPU build refused 8 as it stood)
     cases = [(torch.bfloat16, (32, 8, 128)), (torch.bfloat16, (1, 1, 8)), (torch.bfloat16, (6, 6, 12)),
@@ -150,6 +151,10 @@ def main(capability: int, quick: bool = False) -> int:
         for moe_tokens in (4, 512):  # decode (16-row blocks) and prefill (64-row blocks)
             ids = torch.randint(0, 8, (moe_tokens, 2))
             ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2), ids)
+        slots = LoraBatch.of_padded(torch.zeros(tokens, dtype=torch.long))  # LoRA: a rank-16 adapter on a projection
+        lora_a, lora_b = torch.zeros(2, 16, 2048, dtype=dtype), torch.zeros(2, 1024, 16, dtype=dtype)
+        ops.lora_expand(torch.zeros(tokens, 1024, dtype=dtype), ops.lora_shrink(torch.zeros(tokens, 2048, dtype=dtype),
+                                                                                lora_a, slots), lora_b, slots)
         rows = torch.zeros(tokens, dtype=torch.long)  # --batch-invariant's attention, plain and over an FP8 cache
         triton_invariant_attention.paged_attention(q, k_cache, v_cache, tables, rows, rows, 0.1)
         if capability >= 89:
