@@ -288,7 +288,8 @@ class RequestLimits:
                 "up front, or as produced without top_k (the request ends once they pass it)"})
     max_response_bytes: int = field(default=DEFAULT_MAX_RESPONSE_BYTES, metadata={
         "flag": "--max-response-bytes",
-        "help": "largest estimated answer of one request, in bytes (tokens and log probs of every choice)"})
+        "help": "largest estimated answer of one request, in bytes (tokens, log probs and top-p token ids of every "
+                "choice; top-p token ids without top_k as they are produced: the request ends once they pass it)"})
     max_guided_choices: int = field(default=1024, metadata={
         "flag": "--max-guided-choices", "help": "most strings in guided_choice"})
     max_constraint_bytes: int = field(default=128 * 1024, metadata={
