@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from megatron_serve.engine.scheduler import Scheduler
 from megatron_serve.engine.tenancy import TenantPolicy
 from megatron_serve.wire.request import EventType, RequestStatus
 from megatron_serve.wire.tenancy import TenantTag
@@ -32,10 +33,55 @@ def test_a_critical_request_takes_the_newest_sheddable_slot_at_the_next_step_and
     sched.add_request(request("c0", 5, tenant=CHAT))
     batch = sched.schedule()
     assert [s.request_id for s in batch.preempted] == ["s1"]  # the newest of the worst band
-    assert {s.request_id for s, _ in batch.entries} == {"s0", "c0"} and running(sched) == ["c0", "s0"]
+    assert {s.request_id for s, _ in batch.entries} == {"c0"} and running(sched) == ["c0", "s0"]  # s0 sits it out
     assert victim.status is RequestStatus.WAITING_IN_QUEUE and victim.token_ids == tokens
     assert victim.block_table == [] and victim.num_computed == 0  # recomputed from its tokens when it runs again
     assert [e.type for e in victim.events][-1] is EventType.PREEMPT
+
+
+def flooded(slots: int) -> Scheduler:
+    """A scheduler whose ``slots`` slots all run sheddable streams, each decoding."""
+    sched = scheduler(max_requests=slots)
+    for index in range(slots):
+        sched.add_request(request(f"s{index}", 5, num_tokens_to_generate=40, tenant=BULK))
+    for _ in range(3):
+        play(sched)
+    return sched
+
+
+def test_the_step_a_critical_request_displaces_in_computes_it_alone_and_the_flood_decodes_at_the_next():
+    """The displacing step holds the critical prompt only (the flood's decodes would make the step it waits for
+    longer than its own work); the sheddable streams that kept their slots decode again at the step after it, beside
+    the critical request's first decode."""
+    sched = flooded(4)
+    sched.add_request(request("c0", 5, tenant=CHAT))
+    counts, _ = play(sched)
+    assert counts == {"c0": 5} and running(sched) == ["c0", "s0", "s1", "s2"]
+    counts, _ = play(sched)
+    assert counts == {"c0": 1, "s0": 1, "s1": 1, "s2": 1}
+
+
+def test_control_a_critical_request_in_a_free_slot_runs_beside_the_flood():
+    """Nothing displaced, nothing left out: a critical request that finds a free slot shares the step."""
+    sched = flooded(4)
+    sched.abort_request("s3")
+    sched.add_request(request("c0", 5, tenant=CHAT))
+    counts, _ = play(sched)
+    assert counts == {"c0": 5, "s0": 1, "s1": 1, "s2": 1}
+
+
+def test_worse_bands_sit_out_at_most_one_step_in_two():
+    """Critical requests that displace at every step: the sheddable streams still running decode every other step
+    (a stream of better requests slows a worse band, never stops it), and every critical prompt runs at the step it
+    displaced in."""
+    sched = flooded(6)
+    decoded = []
+    for index in range(4):
+        sched.add_request(request(f"c{index}", 5, num_tokens_to_generate=20, tenant=CHAT))
+        counts, _ = play(sched)
+        assert counts[f"c{index}"] == 5
+        decoded.append(sorted(name for name in counts if name.startswith("s")))
+    assert decoded == [[], ["s0", "s1", "s2", "s3"], [], ["s0", "s1"]]
 
 
 def test_control_untagged_requests_never_displace_one_another_whatever_their_priority():

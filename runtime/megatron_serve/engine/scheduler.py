@@ -92,6 +92,7 @@ class _Step:
     counts: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     displaced: list[Sequence] = field(default_factory=list)  # preempted for a better band (engine.tenancy)
+    left_out: set[int] = field(default_factory=set)  # ids of running requests of worse bands that sit it out
     _rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row in sequences
 
     def scheduled(self, sequence: Sequence) -> int:
@@ -216,22 +217,12 @@ class Scheduler:
         return ScheduledBatch(entries, step.displaced + step.preempted, bool(step.displaced))
 
     def _displace(self, tenancy: TenantPolicy, step: _Step) -> None:
-        """Every request slot is taken: the waiting heads of a better band than the worst running requests take
-        theirs (the worst band's newest first), which go back to the queue with their tokens."""
-        free = self.max_requests - len(self.running)
-        victims: list[Sequence] = []
-        for head in self.waiting:
-            if head.pending_tokens:
-                break
-            if free > 0:
-                free -= 1
-                continue
-            victim = tenancy.victim(self.running, head)
-            if victim is None:
-                break
-            victims.append(self.running.pop())
+        """Better bands take the slots of worse ones (:meth:`.tenancy.TenantPolicy.displace`), which go back to the
+        queue with their tokens; the worse bands still running sit this step out (``TenantPolicy.left_out``)."""
+        victims, displacer = tenancy.displace(self.running, self.waiting, self.max_requests - len(self.running))
         for victim in victims:
             self._displaced(tenancy, victim, step)
+        step.left_out = tenancy.left_out(self.running, displacer)
 
     def _displaced(self, tenancy: TenantPolicy, victim: Sequence, step: _Step) -> None:
         self.blocks.release(victim)
@@ -271,7 +262,7 @@ class Scheduler:
         while index < len(self.running) and step.budget > 0:
             sequence = self.running[index]
             index += 1
-            if not sequence.schedulable:
+            if not sequence.schedulable or id(sequence) in step.left_out:
                 continue
             count = self._chunk(step, sequence.num_uncomputed, fair)
             if not count:
@@ -290,7 +281,7 @@ class Scheduler:
                 return
             done = step.scheduled(sequence)
             count = min(sequence.num_uncomputed - done, step.budget)
-            if (sequence.schedulable and count > 0
+            if (sequence.schedulable and count > 0 and id(sequence) not in step.left_out
                     and self.blocks.fit(sequence, done + count)):
                 self.blocks.grow(sequence, done + count)
                 step.add(sequence, count)

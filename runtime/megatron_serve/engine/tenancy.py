@@ -15,6 +15,11 @@ fleet with no tenants, always) it schedules exactly as before. With it:
   out for it (:meth:`TenantPolicy.victim`). A preempted request keeps its tokens and goes back to the queue ahead
   of its band: it is recomputed from its prompt and tokens (its blocks come back from the prefix cache or the host
   tier where they still are), so its stream goes on unchanged;
+* the step in which a better band takes a slot computes that band and better only: the running requests of worse
+  bands sit that one step out (:meth:`TenantPolicy.left_out`), so that the request that asked for latency waits for
+  its own work alone, as it would on an idle engine (SGLang runs a new request's prefill in a batch of prefills),
+  not for a whole batch of the flood's decodes besides. They sit out at most one step in two: a stream of better
+  requests slows a worse band by half at most, and never stops it;
 * a request waiting ``promote_after`` steps counts as one band better, and one more for each further
   ``promote_after`` steps: no request waits forever behind better ones.
 
@@ -54,6 +59,7 @@ class TenantPolicy:
 
     def __init__(self, promote_after: int = DEFAULT_PROMOTE_AFTER, by_priority: bool = False) -> None:
         self.policy = QueuePolicy(promote_after, by_priority=by_priority, max_counted=MAX_COUNTED)
+        self.left_out_last = False  # the last step left worse bands out for a better one (:meth:`left_out`)
 
     def rank(self, sequence: "Sequence") -> Rank:
         """Its class's band and, with ``by_priority``, its priority value (else 0)."""
@@ -127,6 +133,34 @@ class TenantPolicy:
         while index < len(waiting) and self.band(waiting[index]) < band:
             index += 1
         waiting.insert(index, sequence)
+
+    def displace(self, running: list["Sequence"], waiting: Iterable["Sequence"], free: int
+                 ) -> tuple[list["Sequence"], Rank | None]:
+        """Every request slot is taken (but ``free``): the waiting heads of a better band than the worst running
+        requests take theirs, the worst band's newest first. The running requests they displace, taken out of
+        ``running``, and the band of the worst head that displaced one (None: none did)."""
+        victims: list["Sequence"] = []
+        displacer: Rank | None = None
+        for head in waiting:
+            if head.pending_tokens:
+                break
+            if free > 0:
+                free -= 1
+                continue
+            if self.victim(running, head) is None:
+                break
+            victims.append(running.pop())
+            displacer = self.band(head)
+        return victims, displacer
+
+    def left_out(self, running: list["Sequence"], displacer: Rank | None) -> set[int]:
+        """The running requests (by ``id``) that a step in which a head of band ``displacer`` displaced a worse
+        request leaves out: those of a band worse than ``displacer`` (module docstring), unless the step before
+        left them out already. None: no head displaced one, nothing is left out."""
+        left = set() if displacer is None or self.left_out_last else {
+            id(s) for s in running if self.rank(s) > displacer}
+        self.left_out_last = bool(left)
+        return left
 
     def victim(self, running: list["Sequence"], head: "Sequence") -> "Sequence | None":
         """The running request ``head`` (waiting) may take the place of: the worst band's newest, if worse than
