@@ -111,17 +111,24 @@ def hosted_rendezvous(world_size: int) -> Iterator[dict[str, str]]:
         del store
 
 
-async def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` (plain or async) until it returns something truthy, and return that."""
+async def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02,
+                not_yet: tuple[type[Exception], ...] = ()) -> Any:
+    """Poll ``predicate`` (plain or async) until it returns something truthy, and return that. An exception of
+    ``not_yet`` (an object not written yet, a port not listening yet) counts as a falsy answer; the time-out names
+    ``what`` and the last answer."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
+        try:
+            last = predicate()
+            if inspect.isawaitable(last):
+                last = await last
+        except not_yet as exc:
+            last = exc
+        else:
+            if last:
+                return last
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
 
 

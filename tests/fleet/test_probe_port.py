@@ -31,7 +31,7 @@ from megatron_serve.server.probe_process import ProbePort
 from megatron_serve.server.runner import bind_socket, endpoint_url, serve_app
 from megatron_serve.tokenizer import Tokenizer
 
-from tests.helpers import Children, free_port
+from tests.helpers import Children, free_port, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,20 +73,9 @@ def blocking_the_loop(work: Callable[[], Any], deadline: float = 60.0) -> Any:
 
 
 async def poll(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``predicate()`` on a thread (it makes blocking HTTP calls) until truthy, within ``timeout`` seconds; a
-    connection refused (a port not listening yet) counts as not yet."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = await asyncio.to_thread(predicate)
-        except ConnectionRefusedError as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """:func:`until` with ``predicate()`` on a thread (it makes blocking HTTP calls); a connection refused (a port
+    not listening yet) counts as not yet."""
+    return await until(lambda: asyncio.to_thread(predicate), timeout, what, 0.1, not_yet=(ConnectionRefusedError,))
 
 
 async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp_path):

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from tests.helpers import until
+
 # Before megatron_operator.handlers is imported: a fast timer and a fixed token key, so that
 # render() predicts the operator's Secret.
 os.environ.setdefault("MEGATRON_OPERATOR_RECONCILE_INTERVAL", "0.5")
@@ -69,23 +71,9 @@ def structural_json_schema(node: dict[str, Any]) -> dict[str, Any]:
 
 async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition",
                    interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy or the deadline passes."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = predicate()
-            if asyncio.iscoroutine(last):
-                last = await last
-        except (KeyError, TypeError, IndexError, AttributeError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        await asyncio.sleep(interval)
+    """:func:`tests.helpers.until` for an object the operator writes: a lookup into one not written yet (a key,
+    an item or an attribute missing, a ``None`` indexed) counts as not yet."""
+    return await until(predicate, timeout, what, interval, not_yet=(KeyError, TypeError, IndexError, AttributeError))
 
 
 

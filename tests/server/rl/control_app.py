@@ -13,6 +13,7 @@ import httpx
 from megatron_serve.http_options import HTTPOptions
 from megatron_serve.server import create_app
 
+from ...helpers import until
 from ..conftest import serving
 from .control_fakes import ControlledFleet
 
@@ -65,7 +66,8 @@ async def pause_aborts_a_stream(s: SimpleNamespace, path: str, after: int) -> No
     one framework's route) ends with ``finish_reason`` ``abort`` and the tokens it had."""
     stack, response = await start_stream(s.http, 200)
     read = asyncio.create_task(chunks(response))
-    await until(lambda: any(len(r.collector.tokens) >= after for r in s.fleet.requests.values()))
+    await until(lambda: any(len(r.collector.tokens) >= after for r in s.fleet.requests.values()), 20,
+                f"a stream's first {after} tokens")
     assert (await s.http.post(path, headers=ADMIN)).status_code == 200
     generated, reason = tokens_and_reason(await asyncio.wait_for(read, 20))
     assert reason == "abort" and after <= generated < 200
@@ -76,11 +78,3 @@ def tokens_and_reason(found: list[dict]) -> tuple[int, str | None]:
     """How many tokens a stream generated (its usage) and its finish reason."""
     reasons = [c["choices"][0]["finish_reason"] for c in found if c["choices"] and c["choices"][0]["finish_reason"]]
     return found[-1]["usage"]["completion_tokens"], (reasons[-1] if reasons else None)
-
-
-async def until(predicate, timeout: float = 20.0) -> None:
-    """Poll ``predicate`` (a plain function) until it holds; fail after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from ...helpers import until
 from ..conftest import served_run
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -70,13 +71,6 @@ class Stream:
         return self
 
 
-async def _until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def _held(streams: list[Stream]) -> list[int]:
     """The streams' token counts, once they stood still for a while (a paused fleet sends nothing more)."""
     counts = [len(s.tokens) for s in streams]
@@ -91,7 +85,7 @@ async def _held(streams: list[Stream]) -> list[int]:
 async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         streams = [Stream(http, stack.model, prompt) for prompt in ("Once upon a time", "In a galaxy", "The cat")]
-        await _until(lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        await until(lambda: all(s.tokens for s in streams), 60, "every stream's first tokens")
         assert (await http.post("/pause?mode=keep", headers=ADMIN)).json() == {"status": "paused"}
         assert (await http.get("/is_paused", headers=API)).json() == {"is_paused": True}
         held = await _held(streams)
@@ -105,7 +99,7 @@ async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(
 async def test_sleep_and_wake_up_around_streams_in_flight(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         streams = [Stream(http, stack.model, prompt) for prompt in ("A long road", "Under the sea")]
-        await _until(lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        await until(lambda: all(s.tokens for s in streams), 60, "every stream's first tokens")
         assert (await http.post("/sleep?level=1&mode=keep", headers=ADMIN)).status_code == 200
         assert (await http.get("/is_sleeping", headers=API)).json() == {"is_sleeping": True}
         status = (await http.get("/v1/admin/status", headers=ADMIN)).json()
@@ -122,7 +116,7 @@ async def test_sleep_and_wake_up_around_streams_in_flight(stack):
 async def test_abort_requests_ends_one_stream_by_its_request_id_with_its_tokens(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         cut, kept = Stream(http, stack.model, "Cut short", "rollout-1"), Stream(http, stack.model, "Kept on")
-        await _until(lambda: cut.tokens and kept.tokens, "both streams' first tokens")
+        await until(lambda: cut.tokens and kept.tokens, 60, "both streams' first tokens")
         answer = await http.post("/abort_requests", json={"request_ids": ["rollout-1"]}, headers=ADMIN)
         assert answer.json() == {"status": "aborted", "aborted": 1}
         await cut.done()

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from ...helpers import until
 from .control_app import (ADMIN, API, chunks, controlled, error_of, pause_aborts_a_stream, start_stream,
-                          tokens_and_reason, until)
+                          tokens_and_reason)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +60,7 @@ async def test_abort_request_by_rid_or_all_ends_with_abort_and_the_tokens_so_far
         named_stack, named = await start_stream(s.http, 200, request_id="rollout-7")
         other_stack, other = await start_stream(s.http, 200)
         named_read, other_read = asyncio.create_task(chunks(named)), asyncio.create_task(chunks(other))
-        await until(lambda: len(s.fleet.requests) == 2)
+        await until(lambda: len(s.fleet.requests) == 2, 20, "both requests at the fleet")
         answer = await s.http.post("/abort_request", json={"rid": "rollout-7"}, headers=ADMIN)
         assert answer.status_code == 200 and answer.content == b""
         assert tokens_and_reason(await asyncio.wait_for(named_read, 20))[1] == "abort"
@@ -78,7 +79,8 @@ async def test_abort_request_finds_a_generate_request_by_its_rid(tokenizer):
     async with controlled(tokenizer, tick=0.02) as s:
         body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 200}, "rid": "areal-7"}
         answer = asyncio.create_task(s.http.post("/generate", json=body, headers=API))
-        await until(lambda: any(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values()))
+        await until(lambda: any(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values()), 20,
+                    "a stream's first tokens")
         assert (await s.http.post("/abort_request", json={"rid": "areal-7"}, headers=ADMIN)).status_code == 200
         meta = (await asyncio.wait_for(answer, 20)).json()["meta_info"]
         assert meta["id"] == "areal-7" and meta["finish_reason"]["type"] == "abort"
@@ -94,7 +96,7 @@ async def test_flush_cache_answers_sglangs_text_on_get_and_post(tokenizer):
         assert s.fleet.verbs == [("reset_prefix_cache", {"reset_running_requests": False})] * 2
         stack, _ = await start_stream(s.http, 200)
         async with stack:
-            await until(lambda: len(s.fleet.requests) == 1)
+            await until(lambda: len(s.fleet.requests) == 1, 20, "the request at the fleet")
             answer = await s.http.post("/flush_cache", headers=ADMIN)
             assert answer.status_code == 400 and answer.text == "Flush cache failed.\n"
 

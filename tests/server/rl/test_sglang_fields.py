@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from .control_app import ADMIN, API, controlled, start_stream, until
+from ...helpers import until
+from .control_app import ADMIN, API, controlled, start_stream
 from .tokens_app import error_of, fake_http
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,7 +68,7 @@ async def test_v1_loads_counts_what_runs_until_an_abort_leaves_the_fleet_idle(to
         assert set(idle) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
         stack, _ = await start_stream(s.http, 200)
         try:
-            await until(lambda: s.fleet.requests)
+            await until(lambda: s.fleet.requests, 20, "the stream's request at the fleet")
 
             async def load() -> int:
                 return num_requests_from_load((await s.http.get("/v1/loads?include=core", headers=API)).json())

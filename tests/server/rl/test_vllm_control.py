@@ -11,8 +11,9 @@ import pytest
 from megatron_serve.http_options import HTTPOptions
 from megatron_serve.wire.lifecycle import FleetState
 
+from ...helpers import until
 from .control_app import (ADMIN, API, chunks, controlled, error_of, pause_aborts_a_stream, start_stream,
-                          tokens_and_reason, until)
+                          tokens_and_reason)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +53,7 @@ async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(
         opened = [await start_stream(s.http, 40) for _ in range(3)]
         reads = [asyncio.create_task(chunks(response)) for _, response in opened]
         await until(lambda: all(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values())
-                     and len(s.fleet.requests) == 3)
+                    and len(s.fleet.requests) == 3, 20, "three streams' first tokens")
         assert (await s.http.post("/pause?mode=keep", headers=ADMIN)).json() == {"status": "paused"}
         held = {r.request_id: len(r.collector.tokens) for r in s.fleet.requests.values()}
         await asyncio.sleep(0.2)  # ten ticks: a paused fleet makes no token
@@ -74,7 +75,7 @@ async def test_abort_requests_ends_the_named_ones_and_the_fleet_runs_on(tokenize
         cut_stack, cut = await start_stream(s.http, 200, request_id="trl-cut")
         kept_stack, kept = await start_stream(s.http, 30, request_id="trl-kept")
         cut_read, kept_read = asyncio.create_task(chunks(cut)), asyncio.create_task(chunks(kept))
-        await until(lambda: len(s.fleet.requests) == 2)
+        await until(lambda: len(s.fleet.requests) == 2, 20, "both requests at the fleet")
         answer = await s.http.post("/abort_requests", json={"request_ids": ["trl-cut", "never-seen"]}, headers=ADMIN)
         assert answer.status_code == 200 and answer.json() == {"status": "aborted", "aborted": 1}
         found = await asyncio.wait_for(cut_read, 20)
@@ -86,7 +87,7 @@ async def test_abort_requests_ends_the_named_ones_and_the_fleet_runs_on(tokenize
 
         stacks = [await start_stream(s.http, 200) for _ in range(2)]  # by the answer's id, then all of them
         reads = [asyncio.create_task(chunks(response)) for _, response in stacks]
-        await until(lambda: len(s.fleet.requests) == 2)
+        await until(lambda: len(s.fleet.requests) == 2, 20, "both requests at the fleet")
         assert (await s.http.post("/abort_requests", json={}, headers=ADMIN)).json()["aborted"] == 2
         for read, (stack, _) in zip(reads, stacks):
             assert tokens_and_reason(await asyncio.wait_for(read, 20))[1] == "abort"
@@ -144,7 +145,7 @@ async def test_reset_prefix_cache_runs_the_verb_and_is_a_409_while_requests_hold
             assert s.fleet.verbs[-1] == ("reset_prefix_cache", {"reset_running_requests": running})
         stack, _ = await start_stream(s.http, 200)
         async with stack:
-            await until(lambda: len(s.fleet.requests) == 1)
+            await until(lambda: len(s.fleet.requests) == 1, 20, "the request at the fleet")
             error = error_of(await s.http.post("/reset_prefix_cache", headers=ADMIN), 409)
             assert error["code"] == "prefix_cache_in_use" and error["param"] == "reset_running_requests"
             answer = await s.http.post("/reset_prefix_cache", json={"reset_running_requests": True}, headers=ADMIN)
