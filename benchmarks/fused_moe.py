@@ -27,6 +27,7 @@ import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from megatron_kernels import reference
+from megatron_kernels.moe_weights import ExpertWeights
 from sampler import seconds_per_step as seconds_per_call  # benchmarks/ is this script's first path entry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,7 +42,7 @@ def transformers_experts(implementation: str, args: argparse.Namespace, w13: tor
     experts = Qwen3MoeExperts(config)
     experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
     experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
-    return lambda hidden, _w13, _w2, weights, ids: experts(hidden, ids, weights.to(hidden.dtype))
+    return lambda hidden, _held, weights, ids: experts(hidden, ids, weights.to(hidden.dtype))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     w13 = torch.randn(args.experts, 2 * args.intermediate, args.hidden, device=device) * args.hidden ** -0.5
     w2 = torch.randn(args.experts, args.hidden, args.intermediate, device=device) * args.intermediate ** -0.5
     w13, w2 = w13.to(dtype), w2.to(dtype)
+    moe = ExpertWeights(w13, w2)
     candidates: dict[str, Callable] = {"transformers grouped_mm": transformers_experts("grouped_mm", args, w13, w2),
                                        "reference (sorted)": reference.fused_moe}
     if cuda:
@@ -81,17 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         weights = weights / weights.sum(-1, keepdim=True)
         cells = []
         with torch.inference_mode():
-            expected = baseline_op(hidden, w13, w2, weights, ids)
-            baseline = seconds_per_call(lambda: baseline_op(hidden, w13, w2, weights, ids), device, args.iters)
+            expected = baseline_op(hidden, moe, weights, ids)
+            baseline = seconds_per_call(lambda: baseline_op(hidden, moe, weights, ids), device, args.iters)
             for name, op in candidates.items():
                 try:
-                    got = op(hidden, w13, w2, weights, ids)
+                    got = op(hidden, moe, weights, ids)
                 except (RuntimeError, NotImplementedError) as exc:  # e.g. grouped_mm on a device without it
                     cells.append(f"{'n/a: ' + str(exc).splitlines()[0][:20]:>25}")
                     continue
                 torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance,
                                            msg=lambda m, name=name: f"{name} differs from transformers: {m}")
-                seconds = seconds_per_call(lambda op=op: op(hidden, w13, w2, weights, ids), device, args.iters)
+                seconds = seconds_per_call(lambda op=op: op(hidden, moe, weights, ids), device, args.iters)
                 cells.append(f"{seconds * 1e3:>16.3f} ({baseline / seconds:5.2f}x)")
         print(f"{num_tokens:>7} {baseline * 1e3:>19.3f} " + " ".join(cells))
     return 0

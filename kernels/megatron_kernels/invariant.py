@@ -22,7 +22,8 @@ nothing.
 
 The engine calls these functions directly when started with ``--batch-invariant``;
 :class:`InvariantMode` routes a trainer's ``F.linear``, ``F.silu`` and ``torch.cos``/``sin``/``exp``
-here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
+here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported (and this package's torch-only
+:mod:`.moe_weights`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from .moe_weights import ExpertWeights
 
 SAFE_ROW_TILE = 16
 """Rows per GEMM tile that every CPU probed so far holds: from 16 rows up MKL 2024.2 (float32 and bfloat16,
@@ -231,8 +234,8 @@ def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> t
     return x * cos_full + rotated_half * sin_full
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+              ) -> torch.Tensor:
     """Mixture-of-experts SwiGLU as ``transformers``' expert loop computes it, with invariant GEMMs.
 
     Experts in ascending id order; each takes its tokens' rows through :func:`linear`'s GEMM (padded
@@ -240,7 +243,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
     and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
     id order whatever the other tokens are. A negative id is no expert: the pair adds nothing.
+
+    Of FP8 experts only those the step routes to are dequantized (one rounding per element, the same bits
+    whatever the batch), renumbered in ascending id order, so each token still sums its experts in that order.
     """
+    experts.check(hidden, topk_weights, topk_ids)
+    if experts.fp8:
+        used = torch.unique(topk_ids[topk_ids >= 0])  # sorted
+        topk_ids = torch.where(topk_ids >= 0, torch.searchsorted(used, topk_ids), -1)
+        w13, w2 = experts.dequantized(used, hidden.dtype)
+    else:
+        w13, w2 = experts.w13, experts.w2
     top_k, num_experts = topk_ids.shape[1], w13.shape[0]
     flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))  # no expert: sorted last
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a

@@ -1,6 +1,6 @@
 """FP8 weights under ``--batch-invariant``: the weight dequantized (:func:`.fp8.dequantize`, one rounding
 per element, the same bits whatever the batch) and the activations left unquantized, then the mode's own
-GEMMs (:mod:`.invariant`).
+GEMMs (:mod:`.invariant`; FP8 experts: :func:`.invariant.fused_moe` itself).
 
 The default FP8 path is not batch-invariant by construction: on a GPU it picks a weight-only GEMM up to
 ``WEIGHT_ONLY_MAX_ROWS`` rows and an FP8 x FP8 GEMM (activations quantized) above, splits K for small
@@ -24,14 +24,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``x @ dequantize(W)^T + bias`` with :func:`.invariant.linear`."""
     return invariant.linear(x, dequantize(weight, weight_scale, block, x.dtype), bias)
 
-
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, w13_scale: torch.Tensor, w2_scale: torch.Tensor, block: Block
-              ) -> torch.Tensor:
-    """:func:`.invariant.fused_moe` over FP8 experts: only the experts the step routes to are dequantized,
-    renumbered in ascending id order, so each token still sums its experts in ascending id order (a negative id
-    stays no expert)."""
-    used = torch.unique(topk_ids[topk_ids >= 0])  # sorted
-    ids = torch.where(topk_ids >= 0, torch.searchsorted(used, topk_ids), -1)
-    return invariant.fused_moe(hidden, dequantize(w13[used], w13_scale[used], block, hidden.dtype),
-                               dequantize(w2[used], w2_scale[used], block, hidden.dtype), topk_weights, ids)

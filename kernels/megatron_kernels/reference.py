@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .dense import linear
 from .fp8 import Block, dequantize, quantize_heads
+from .moe_weights import ExpertWeights
 from .paged_kv import PagedKV
 from .reference_lora import lora_expand, lora_shrink  # noqa: F401 - dispatcher ops, in their own module
 
@@ -277,30 +278,21 @@ def paged_attention_prefill(
     return out
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block: Block = None,
-) -> torch.Tensor:
+def fused_moe(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+              ) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: every token through its ``k`` experts, outputs summed by router weight.
 
-    ``hidden`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows); ``w2``
-    ``[E, H, I]``; ``topk_weights`` ``[T, k]`` (float32 router weights); ``topk_ids`` ``[T, k]`` expert ids.
+    ``hidden`` ``[T, H]``; ``experts``: the stacked weights (:class:`~megatron_kernels.moe_weights.ExpertWeights`);
+    ``topk_weights`` ``[T, k]`` (float32 router weights); ``topk_ids`` ``[T, k]`` expert ids.
     The ``T * k`` (token, expert) pairs are sorted by expert, so each expert's rows go through one
     matmul per projection; experts that received no token cost nothing. Each expert's output is
     rounded to the input dtype, then weighted and summed over ``k`` in float32.
-    FP8 experts (``w13_scale``/``w2_scale`` ``[E, ...]`` given) are dequantized to the input dtype one expert
-    at a time (``block``: see :mod:`megatron_kernels.fp8`). A negative id is no expert: the pair adds nothing (the
-    expert-parallel dispatchers' unused rows, :mod:`megatron_kernels.triton_moe`).
+    FP8 experts are dequantized to the input dtype one expert at a time. A negative id is no expert: the pair adds
+    nothing (the expert-parallel dispatchers' unused rows, :mod:`megatron_kernels.triton_moe`).
     """
+    experts.check(hidden, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
+    num_experts = experts.w13.shape[0]
     flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))  # no expert: sorted last
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1).tolist()[:num_experts]
@@ -310,10 +302,7 @@ def fused_moe(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            gate_up, down = w13[expert], w2[expert]
-            if w13_scale is not None:
-                gate_up = dequantize(gate_up, w13_scale[expert], block, hidden.dtype)
-                down = dequantize(down, w2_scale[expert], block, hidden.dtype)
+            gate_up, down = experts.dequantized(expert, hidden.dtype)
             activated = silu_and_mul(linear(rows[start:end], gate_up))
             out[order[start:end]] = linear(activated, down)
             start = end

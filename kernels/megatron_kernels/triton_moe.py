@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import MIN_DOT_K, fp8_native, interpreted, next_pow2
+from ._triton_utils import MIN_DOT_K, fp8_native, interpreted, last_dim_contiguous, next_pow2
 from .fp8 import Block
+from .moe_weights import ExpertWeights
 from .triton_activation import silu_and_mul
 
 
@@ -176,37 +177,21 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: to
     )
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block: Block = None,
-) -> torch.Tensor:
+def fused_moe(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+              ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.fused_moe`."""
+    block = experts.block
     # A GPU's dot on 16-bit operands takes K tiles of 16 or more, and a tile must divide the scale block's K.
-    if w13_scale is not None and (not fp8_native(hidden.device) or block is not None and block[1] % MIN_DOT_K):
-        return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
-                                   block=block)
+    if experts.fp8 and (not fp8_native(hidden.device) or block is not None and block[1] % MIN_DOT_K):
+        return reference.fused_moe(hidden, experts, topk_weights, topk_ids)
+    experts.check(hidden, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden.shape
-    num_experts, two_i, w13_k = w13.shape
-    if w13_k != hidden_size or w2.shape != (num_experts, hidden_size, two_i // 2) or two_i % 2:
-        raise ValueError(f"expert weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden "
-                         f"{tuple(hidden.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [{num_tokens}, k]")
+    num_experts, two_i, _ = experts.w13.shape
     top_k = topk_ids.shape[1]
     pairs = num_tokens * top_k
     if pairs == 0:
         return hidden.new_zeros((num_tokens, hidden_size))
-    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    hidden, w13, w2 = (last_dim_contiguous(t) for t in (hidden, experts.w13, experts.w2))
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     block_m, block_n, block_k = _tiles(hidden, pairs, num_experts, two_i, hidden_size, block)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
@@ -215,11 +200,11 @@ def fused_moe(
         (sorted_ids.shape[0], two_i), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, block_experts, pairs, top_k,
                   gather_a=True, scatter_c=False, block_m=block_m, block_n=block_n, block_k=block_k,
-                  b_scale=w13_scale, block=block)
+                  b_scale=experts.w13_scale, block=block)
     activated = silu_and_mul(gate_up)
     _, block_n, block_k = _tiles(hidden, pairs, num_experts, hidden_size, two_i // 2, block)
     out = torch.empty((pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(activated, w2, out, weights, sorted_ids, block_experts, pairs, top_k,
                   gather_a=False, scatter_c=True, block_m=block_m, block_n=block_n, block_k=block_k,
-                  b_scale=w2_scale, block=block)
+                  b_scale=experts.w2_scale, block=block)
     return out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -54,6 +54,7 @@ def _quantized(fp8, shape: tuple[int, ...], block: tuple[int, int] | None) -> tu
 
 def _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv: int, head_dim: int) -> None:
     """The FP8 launches: KV writes into an FP8 cache and attention over it, FP8 linears, FP8 experts."""
+    from megatron_kernels.moe_weights import ExpertWeights  # noqa: PLC0415
     from megatron_kernels.paged_kv import PagedKV  # noqa: PLC0415
 
     k8 = torch.zeros(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
@@ -68,9 +69,10 @@ def _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv:
             ops.fp8_linear(torch.randn(rows, 2048, dtype=dtype), weight, weight_scale, block)
         w13, w13_scale = _quantized(fp8, (8, 2 * 768, 2048), block)
         w2, w2_scale = _quantized(fp8, (8, 2048, 768), block)
+        experts = ExpertWeights(w13, w2, w13_scale, w2_scale, block)
         for moe_tokens in (4, 512):
-            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2),
-                          torch.randint(0, 8, (moe_tokens, 2)), w13_scale=w13_scale, w2_scale=w2_scale, block=block)
+            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), experts, torch.rand(moe_tokens, 2),
+                          torch.randint(0, 8, (moe_tokens, 2)))
     weight, weight_scale = _quantized(fp8, (1024, 2048), None)  # a checkpoint's static activation scale
     ops.fp8_linear(torch.randn(100, 2048, dtype=dtype), weight, weight_scale, None, input_scale=torch.tensor([0.5]))
 
@@ -116,6 +118,7 @@ def main(capability: int, quick: bool = False) -> int:
     triton_fp8_linear.sm_count = lambda device: 132
 
     from megatron_kernels import triton_ops as ops  # noqa: PLC0415
+    from megatron_kernels.moe_weights import ExpertWeights  # noqa: PLC0415
     from megatron_kernels.paged_kv import PagedKV  # noqa: PLC0415
     from megatron_kernels.reference_lora import LoraBatch  # noqa: PLC0415
 
@@ -150,7 +153,8 @@ def main(capability: int, quick: bool = False) -> int:
         w13, w2 = torch.ones(8, 2 * 768, 2048, dtype=dtype), torch.ones(8, 2048, 768, dtype=dtype)
         for moe_tokens in (4, 512):  # decode (16-row blocks) and prefill (64-row blocks)
             ids = torch.randint(0, 8, (moe_tokens, 2))
-            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2), ids)
+            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), ExpertWeights(w13, w2), torch.rand(moe_tokens, 2),
+                          ids)
         slots = LoraBatch.of_padded(torch.zeros(tokens, dtype=torch.long))  # LoRA: a rank-16 adapter on a projection
         lora_a, lora_b = torch.zeros(2, 16, 2048, dtype=dtype), torch.zeros(2, 1024, 16, dtype=dtype)
         ops.lora_expand(torch.zeros(tokens, 1024, dtype=dtype), ops.lora_shrink(torch.zeros(tokens, 2048, dtype=dtype),

@@ -13,6 +13,7 @@ import torch
 
 from megatron_kernels import fp8, reference
 from megatron_kernels import triton_ops as tri
+from megatron_kernels.moe_weights import ExpertWeights
 from megatron_kernels.paged_kv import PagedKV
 
 from .test_kernels import DEVICE, _close, _cos_sin, _gen, _paged_setup, _qkv, _randn
@@ -317,15 +318,15 @@ def test_fp8_linear_refuses_scales_that_do_not_fit():
 def test_fused_moe_fp8_experts(tokens, hidden, intermediate, experts, top_k, block, dtype):
     from .test_fused_moe import _inputs
 
-    x, w13, w2, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, torch.float32, seed=44)
-    w13_8, w13_scale = fp8.quantize(w13, block)
-    w2_8, w2_scale = fp8.quantize(w2, block)
+    x, plain, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, torch.float32, seed=44)
+    w13_8, w13_scale = fp8.quantize(plain.w13, block)
+    w2_8, w2_scale = fp8.quantize(plain.w2, block)
     x = x.to(dtype)
-    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block=block)
-    expected = reference.fused_moe(x, w13_8, w2_8, weights, ids, **scales)
+    moe = ExpertWeights(w13_8, w2_8, w13_scale, w2_scale, block)
+    expected = reference.fused_moe(x, moe, weights, ids)
     # the reference on FP8 experts is the reference on the dequantized experts
-    dense = reference.fused_moe(x, fp8.dequantize(w13_8, w13_scale, block, dtype),
-                                fp8.dequantize(w2_8, w2_scale, block, dtype), weights, ids)
+    dense = reference.fused_moe(x, ExpertWeights(fp8.dequantize(w13_8, w13_scale, block, dtype),
+                                                 fp8.dequantize(w2_8, w2_scale, block, dtype)), weights, ids)
     assert torch.equal(expected, dense)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    _close(tri.fused_moe(x, w13_8, w2_8, weights, ids, **scales), expected, tol)
+    _close(tri.fused_moe(x, moe, weights, ids), expected, tol)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_kernels import invariant, reference
 from megatron_kernels import triton_ops as tri
+from megatron_kernels.moe_weights import ExpertWeights
 from megatron_kernels.triton_moe import align_by_expert
 
 from tests.helpers import script_module
@@ -38,11 +39,11 @@ def _inputs(tokens: int, hidden: int, intermediate: int, experts: int, top_k: in
         logits = logits + mask
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    return (x.to(DEVICE, dtype), w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(DEVICE),
-            ids.to(DEVICE))
+    moe = ExpertWeights(w13.to(DEVICE, dtype), w2.to(DEVICE, dtype))
+    return x.to(DEVICE, dtype), moe, weights.to(DEVICE), ids.to(DEVICE)
 
 
-def _per_token(x, w13, w2, weights, ids):
+def _per_token(x, moe, weights, ids):
     """The definition, one (token, expert) pair at a time, in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
@@ -50,8 +51,8 @@ def _per_token(x, w13, w2, weights, ids):
             e = int(ids[t, slot])
             if e < 0:  # no expert
                 continue
-            gate, up = F.linear(x[t].float(), w13[e].float()).chunk(2)
-            out[t] += weights[t, slot].float() * F.linear(F.silu(gate) * up, w2[e].float())
+            gate, up = F.linear(x[t].float(), moe.w13[e].float()).chunk(2)
+            out[t] += weights[t, slot].float() * F.linear(F.silu(gate) * up, moe.w2[e].float())
     return out
 
 
@@ -68,26 +69,26 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "hidden", "intermediate", "experts", "top_k", "only"), CASES)
 def test_triton_matches_reference(tokens, hidden, intermediate, experts, top_k, only, dtype):
-    x, w13, w2, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, dtype, seed=tokens + experts,
+    x, moe, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, dtype, seed=tokens + experts,
                                        only_experts=only)
-    expected = reference.fused_moe(x, w13, w2, weights, ids)
-    actual = tri.fused_moe(x, w13, w2, weights, ids)
+    expected = reference.fused_moe(x, moe, weights, ids)
+    actual = tri.fused_moe(x, moe, weights, ids)
     assert actual.shape == expected.shape == x.shape and actual.dtype == expected.dtype == dtype
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), **TOL[dtype])
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "intermediate", "experts", "top_k", "only"), CASES)
 def test_reference_is_the_per_token_definition(tokens, hidden, intermediate, experts, top_k, only):
-    x, w13, w2, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, torch.float32, seed=3,
+    x, moe, weights, ids = _inputs(tokens, hidden, intermediate, experts, top_k, torch.float32, seed=3,
                                        only_experts=only)
-    torch.testing.assert_close(reference.fused_moe(x, w13, w2, weights, ids), _per_token(x, w13, w2, weights, ids),
+    torch.testing.assert_close(reference.fused_moe(x, moe, weights, ids), _per_token(x, moe, weights, ids),
                                atol=1e-5, rtol=1e-5)
 
 
 def test_no_tokens():
-    x, w13, w2, weights, ids = _inputs(0, 32, 16, 4, 2, torch.float32, seed=0)
-    assert tri.fused_moe(x, w13, w2, weights, ids).shape == (0, 32)
-    assert reference.fused_moe(x, w13, w2, weights, ids).shape == (0, 32)
+    x, moe, weights, ids = _inputs(0, 32, 16, 4, 2, torch.float32, seed=0)
+    assert tri.fused_moe(x, moe, weights, ids).shape == (0, 32)
+    assert reference.fused_moe(x, moe, weights, ids).shape == (0, 32)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -95,22 +96,25 @@ def test_a_negative_id_is_no_expert_in_every_implementation(top_k):
     """The expert-parallel dispatchers fill their unused rows with id -1: such a pair adds nothing (a row of -1 ids
     only is zero), in the Triton kernel (blocks of their own, writing zeros), the reference and the invariant op,
     whatever the rows hold (NaN included)."""
-    x, w13, w2, weights, ids = _inputs(9, 32, 16, 4, top_k, torch.float32, seed=7)
+    x, moe, weights, ids = _inputs(9, 32, 16, 4, top_k, torch.float32, seed=7)
     ids[[1, 4, 8]] = -1
     ids[6, 0] = -1  # with top-2 the row keeps one expert
     x[4] = float("nan")  # an unused row's content is never read
-    expected = _per_token(x, w13, w2, weights, ids)
+    expected = _per_token(x, moe, weights, ids)
     assert expected[[1, 8]].abs().sum() == 0 and (top_k == 1 or expected[6].abs().sum() > 0)
     for op in (tri.fused_moe, reference.fused_moe, invariant.fused_moe):
-        got = op(x, w13, w2, weights, ids).float()
+        got = op(x, moe, weights, ids).float()
         assert torch.equal(got[[1, 4, 8]], torch.zeros_like(got[[1, 4, 8]])), op.__module__
         torch.testing.assert_close(got, expected.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
 
 
-def test_triton_rejects_mismatched_weights():
-    x, w13, w2, weights, ids = _inputs(2, 32, 16, 4, 2, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="expert weights"):
-        tri.fused_moe(x, w13, w2[:, :, :8], weights, ids)
+def test_every_implementation_rejects_weights_or_routing_that_do_not_fit():
+    x, moe, weights, ids = _inputs(2, 32, 16, 4, 2, torch.float32, seed=0)
+    for op in (tri.fused_moe, reference.fused_moe, invariant.fused_moe):
+        with pytest.raises(ValueError, match="expert weights"):
+            op(x, moe._replace(w2=moe.w2[:, :, :8]), weights, ids)
+        with pytest.raises(ValueError, match="must both be"):
+            op(x, moe, weights[:, :1], ids)
 
 
 def test_align_by_expert_sorts_and_pads_every_pair_once():

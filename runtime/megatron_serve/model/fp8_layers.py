@@ -28,6 +28,7 @@ from torch import nn
 
 from megatron_kernels import get_op, invariant_fp8
 from megatron_kernels.fp8 import FP8_DTYPE, Block, quantize, scale_shape
+from megatron_kernels.moe_weights import ExpertWeights
 
 from .errors import UnsupportedModelError
 from .layers import ColumnParallelLinear, GatheredRowLinear, RowParallelLinear
@@ -275,13 +276,9 @@ class Fp8FusedExperts(FusedExperts):
             filled = fill_weight(target, target_scales, source, rows, cols, self.block) or filled
         return (f"{'down_proj' if down else 'gate_up_proj'}_scale",) if filled else ()
 
-    def use_invariant_ops(self) -> None:
-        self._fused_moe = invariant_fp8.fused_moe
-
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids,
-                               w13_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale, block=self.block)
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale,
+                             self.block)
 
 
 class Fp8Linears(Linears):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant
+from megatron_kernels.moe_weights import ExpertWeights
 
 from ..layers import GatedMLP, LayerBuilder, ReplicatedLinear
 from .eplb import LayerPlacement
@@ -170,7 +171,11 @@ class FusedExperts(nn.Module):
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's partial sum of the routed experts' outputs (``ids`` index this rank's stack). ``tokens``:
         under expert parallelism, the token each row came from (read by the LoRA hook)."""
-        return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids)
+        return self._fused_moe(hidden, self.expert_weights(), weights, ids)
+
+    def expert_weights(self) -> ExpertWeights:
+        """This rank's stacked experts as the ``fused_moe`` ops take them."""
+        return ExpertWeights(self.gate_up_proj, self.down_proj)
 
 
 def expert_projection_names(family: str, layer: str, num_experts: int) -> tuple[str, tuple[str, ...]]:
