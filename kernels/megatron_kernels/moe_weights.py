@@ -1,9 +1,9 @@
 """A mixture-of-experts layer's expert weights as every ``fused_moe`` takes them: the stacked projections and,
 for FP8 experts, their scales and the scale block.
 
-Each ``fused_moe`` (the reference, the Triton kernel, the batch-invariant one) used to take the five as
-arguments of its own and read FP8 experts its own way; here they are one value, checked against a call's
-tokens and dequantized in one place. Only torch here: the reference takes it without Triton installed.
+Every ``fused_moe`` (the reference, the Triton kernel, the batch-invariant one) takes the five as one value,
+checked against a call's tokens and dequantized here, so the implementations agree on what they accept and on
+how FP8 experts read. Only torch here: the reference takes it without Triton installed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One layer's paged KV cache as every cache op takes it: the keys, the values and an FP8 cache's scales.
 
-The four tensors always travel together (the layout is in :mod:`megatron_kernels.reference`), and each op
-used to take them as four arguments, check them and unpack their strides on its own; a ``PagedKV`` is
-checked, measured and unpacked here, once for every op and every backend. It is a tuple, so a layer's
-cache as the engine's pool holds it, ``(k, v)`` or ``(k, v, k_scales, v_scales)``, becomes one by
-``PagedKV(*layer)``. Only torch here: the reference and the CPU kernels take it without Triton installed.
+The four tensors always travel together (the layout is in :mod:`megatron_kernels.reference`), so every cache
+op of every backend takes them as one value, and what each op needs of them (the checks, the query rows fitted
+to them, the strides and pointers a kernel takes) is written here once. It is a tuple, so a layer's cache as
+the engine's pool holds it, ``(k, v)`` or ``(k, v, k_scales, v_scales)``, becomes one by ``PagedKV(*layer)``.
+Only torch here: the reference and the CPU kernels take it without Triton installed.
 """
 
 from __future__ import annotations
