@@ -7,10 +7,16 @@ is an ExternalName ``localhost``: the aggregator dials the adapter on this machi
 certificate), the HPA controller in kube-controller-manager (which reads the metric through the aggregator and
 writes ``/scale``), the StatefulSet controller, the scheduler, the operator as a process with the chart's RBAC; the
 coordinator, the OpenAI server (whose ``/metrics`` the adapter scrapes) and the engines as processes (the tiny test
-model on the CPU); the adapter as a process holding a ServiceAccount's token. Simulated: the pods run under kwok, so
-the kubelet stand-in (real_kubelet.py) plays its part for the engine pods: a new engine group is a new
-StatefulSet whose pod the scheduler binds to the test's GPU node, and for which the stand-in starts a local engine
-process with that ``--group``; a group scaled away is a deleted StatefulSet, whose engine gets SIGTERM and drains.
+model on the CPU); the adapter as a process holding a ServiceAccount's token. Simulated: the kubelet. The engine
+pods go to a GPU node of the test's own that kwok does not play (:mod:`.real_node` keeps it Ready with a Lease
+heartbeat), where the kubelet stand-in (:mod:`.real_kubelet`) plays it: a new engine group is a new StatefulSet whose
+pod the scheduler binds to that node; the stand-in marks the pod Running, starts a local engine process with that
+``--group`` and marks the pod Ready only once the engine registered and serves; a group scaled away is a deleted
+StatefulSet, whose engine gets SIGTERM and drains, and whose pod is gone only once its engine exited. The HPA's
+current scale is the resource's ``status.engines.ready`` (the scale subresource's ``statusReplicasPath``), groups
+whose pods are Ready: under kwok a new group's pod was Ready the moment it ran, before its engine had started (until
+the stand-in's watch turned it back), and the operator could count a group that served nothing; here it counts only
+groups that serve.
 
 The control comes first, under the same load: with no custom-metrics API registered the HPA says the metric is
 unavailable (``ScalingActive=False``, ``FailedGetObjectMetric``) and nothing scales.
@@ -123,7 +129,7 @@ def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(
     port, http_port = free_port(), free_port()
     resource = fleet.tiny_resource(NAME, tiny_model)
     resource["spec"]["parallelism"]["data"] = 1
-    resource["spec"]["engine"].update(fleet.gpu_pool(1))  # 8 GPUs: room for the 3 one-GPU groups
+    resource["spec"]["engine"].update(fleet.gpu_pool(1, kubelet=True))  # 8 GPUs: room for the 3 one-GPU groups
     fleet.prerequisites(resource)
     fleet.operator(MEGATRON_OPERATOR_COORDINATOR_ADDRESS=f"tcp://127.0.0.1:{port}")
     kubectl.apply([resource])
@@ -205,8 +211,13 @@ def test_an_hpa_scales_the_fleet_1_3_1_on_its_own_metric_under_streamed_load(
             await under_load(load, three_serving, f"{MAX_GROUPS} engine groups serving, each with tokens generated")
             up = time.monotonic() - began
             print(load.line(f"scale up 1 -> {MAX_GROUPS}", up))
+            ready_at: dict[int, float] = {}  # each new group's pod made Ready by the stand-in, once its engine served
+            for at, kind, group, _ in kubelet.timeline:
+                if kind == "ready" and group > 0:
+                    ready_at.setdefault(group, at - began)
             print(f"scale up: the HPA wrote {MAX_GROUPS} groups to /scale {marks['scaled']:.0f}s after the adapter was "
-                  f"registered; all {MAX_GROUPS} served at {up:.0f}s")
+                  f"registered; the new groups' pods Ready at "
+                  f"{', '.join(f'{ready_at[g]:.0f}s' for g in sorted(ready_at))}; all {MAX_GROUPS} served at {up:.0f}s")
             assert condition(hpa(), "ScalingActive").get("status") == "True", hpa()["status"]
 
             # The load ends: the metric falls to 0, and past the scale-down window the HPA goes back to its minimum;

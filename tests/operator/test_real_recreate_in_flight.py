@@ -10,9 +10,11 @@ controller adopts the pod (its name and labels are the new one's). The pod is ne
 
 What is real: the API server (its 422), the garbage collector's orphaning, the StatefulSet controller's adoption, the
 operator as a process with the chart's ServiceAccount token, and the coordinator and engine processes (the tiny
-model on the CPU), with streams through the project's coordinator client. Simulated: the pod runs under kwok, so
-``real_kubelet.Kubelet`` plays its kubelet: it starts the engine process when the pod runs, and sends it SIGTERM (the
-engine drains and hands its requests back) when the pod is being deleted. ``real_load.Load`` keeps 32 streams going,
+model on the CPU), with streams through the project's coordinator client. Simulated: the kubelet. The pod goes to
+a GPU node of the test's own that kwok does not play (``real_node`` keeps it Ready with a Lease heartbeat), where
+``real_kubelet.Kubelet`` plays its kubelet: it marks the pod Running, starts the engine process, marks the pod Ready
+only once the engine registered and serves, sends it SIGTERM (the engine drains and hands its requests back) when the
+pod is being deleted, and deletes the pod once the engine exited. ``real_load.Load`` keeps 32 streams going,
 one request after another per slot, so requests are in flight at every moment of the recreate. Asserted: the pod is
 the same pod (same uid) before and after, now owned by the new StatefulSet; its engine was started once and never
 signalled; every stream completed with the uninterrupted run's greedy tokens, none failed, truncated or repeated.
@@ -20,7 +22,9 @@ signalled; every stream completed with the uninterrupted run's greedy tokens, no
 The control: the StatefulSet deleted as ``kubectl delete`` deletes (the garbage collector's default, background
 propagation, which the operator used before) and recreated by the operator: the pod goes with it, its engine gets
 SIGTERM, a new pod and engine come, and the streams wait for the new engine (their longest wait for a token exceeds
-the recreate's; both printed: about 1 s against 10-19 s on this project's loaded 2-core machine).
+the recreate's; both printed). Under kwok the old pod was gone at once and its replacement Ready the moment it ran,
+while the old engine still drained; here, as with a kubelet, the replacement of the same name comes only once the old
+engine exited, and is Ready only once the new engine serves.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def test_an_immutable_field_recreate_keeps_the_pods_and_the_streams_in_flight(
     kubectl = fleet.kubectl
     port = free_port()
     resource = fleet.tiny_resource(NAME, tiny_model)
+    resource["spec"]["engine"].update(fleet.gpu_pool(1, kubelet=True))
     fleet.prerequisites(resource)
     address = {"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": f"tcp://127.0.0.1:{port}"}
     first = fleet.operator(**address)

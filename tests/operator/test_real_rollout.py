@@ -5,6 +5,14 @@ template, and again when the spec is reverted), the scheduler (whose refusal is 
 new template asks for a GPU no node has, so its pod stays Pending), and the operator holding the chart's RBAC.
 Simulated: the pods run under kwok (Ready once bound, no process), so the failure is a placement one; an engine that
 refuses its model fails the same way to the operator (a pod not Ready), with its own exit message as the reason.
+
+kwok's early Ready (a pod Ready the moment it runs) cannot change what this test asserts: the halted group's new pod
+is never bound, and kwok plays only pods bound to its nodes, so it is not Ready under kwok as under any kubelet; the
+operator moves a second group only once the first is Ready on its new template, which never happens; and groups 1 and
+2 never get a new template (not before the halt, and the revert gives back the one they have), so their pods stay
+the same whatever marks group 0's reverted pod Ready, and how soon. Nothing runs in the pods and no request is sent:
+the same halt and revert under streamed requests, with engines whose pods are Ready only once they serve, is
+test_real_under_load.py's.
 """
 
 from __future__ import annotations

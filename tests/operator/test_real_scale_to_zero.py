@@ -7,9 +7,16 @@ Real: kube-apiserver, the StatefulSet controller and the scheduler, the operator
 (it renders ``spec.server.scaleFromZero`` into the server's flags and the scale subresource into engine groups);
 the coordinator, the server and the engines as processes (the tiny test model on the CPU); the requests through the
 official ``openai`` client and plain HTTP; ``/metrics`` and ``/ready`` scraped over HTTP. The server runs with the
-arguments the operator rendered into its pod (only its addresses changed to this machine's). Simulated: the pods run
-under kwok, so :class:`~tests.operator.real_kubelet.Kubelet` starts and stops the engines as their pods come and go;
-no KEDA runs here, so the test reads the hint and scales the resource as KEDA's ScaledObject would.
+arguments the operator rendered into its pod (only its addresses changed to this machine's). Simulated: the kubelet,
+and KEDA. The engine pod goes to a GPU node of the test's own that kwok does not play (:mod:`.real_node` keeps it
+Ready with a Lease heartbeat), where :class:`~tests.operator.real_kubelet.Kubelet` plays the kubelet: it marks the
+pod Running, starts its engine, marks it Ready only once the engine registered and serves, sends the engine SIGTERM
+when the pod goes and deletes the pod once the engine exited. So a fleet is parked (the resource says 0 engines
+Ready, no engine pod left) only once its engine drained, and the woken group's pod is Ready no sooner than its engine
+serves (under kwok it was Ready the moment it ran, and gone at once on the scale to zero). The server pod runs on the
+cluster's kwok nodes: its Ready condition is what :meth:`Serving.probe` writes from the server's ``/ready`` before
+each check of its Service's endpoint, so kwok's Ready is never the one read. No KEDA runs here: the test reads the
+hint and scales the resource as KEDA's ScaledObject would.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import pathlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -40,6 +48,31 @@ NAME = "tiny"
 HOLD = 240  # spec.server.scaleFromZero.timeoutSeconds: covers an engine's cold start on a loaded 2-core host
 API_KEY = "test-key"  # what Fleet.prerequisites puts in the resource's API-key Secret
 PROMPT = "The capital of France is"
+TOKENS = 8
+
+
+@dataclass
+class Streamed:
+    """A streamed answer: when it was sent, and each piece of text with when it came."""
+
+    sent: float
+    pieces: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(text for _, text in self.pieces)
+
+    def line(self, expected: str) -> str:
+        """Its counts as the day-2 scenarios print them (one request): failed, truncated, repeated or different
+        from an uninterrupted run's text, and the longest gap between two of its pieces (the wait for the first is
+        the wake)."""
+        text = self.text
+        truncated = text != expected and expected.startswith(text)
+        times = [t for t, _ in self.pieces]
+        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        return (f"the held request, streamed: 1 sent, 0 failed, {int(truncated)} truncated, "
+                f"{int(text != expected and not truncated)} repeated or different from an uninterrupted run; first "
+                f"piece {times[0] - self.sent:.1f}s after it was sent, longest gap after it {gap:.1f}s")
 
 
 class Serving:
@@ -110,12 +143,27 @@ class Serving:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
 
-    def ask(self) -> str:
-        """A greedy completion through the official client (waiting as long as the server may hold it)."""
+    def client(self) -> openai.OpenAI:
+        """The official client, waiting as long as the server may hold a request."""
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=HOLD + 60)
         self.model = self.model or client.models.list().data[0].id
-        answer = client.completions.create(model=self.model, prompt=PROMPT, max_tokens=8, temperature=0)
+        return client
+
+    def ask(self) -> str:
+        """A greedy completion through the official client."""
+        answer = self.client().completions.create(model=self.model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
         return answer.choices[0].text
+
+    def stream(self) -> Streamed:
+        """A greedy completion streamed through the official client: its text and when each piece came."""
+        client = self.client()
+        streamed = Streamed(time.monotonic())  # (the response, its headers too, begins once the hold ends)
+        chunks = client.completions.create(model=self.model, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                           stream=True)
+        for chunk in chunks:
+            if chunk.choices:  # (a usage-only chunk has none)
+                streamed.pieces.append((time.monotonic(), chunk.choices[0].text))
+        return streamed
 
     def post(self, timeout: float = 30) -> httpx.Response:
         """A completion as plain HTTP, its status and headers to read."""
@@ -160,7 +208,7 @@ def served(fleet: Fleet, model: str, tmp_path: pathlib.Path, scale_from_zero: di
     resource = fleet.tiny_resource(NAME, model)
     if scale_from_zero is not None:
         resource["spec"]["server"]["scaleFromZero"] = scale_from_zero
-    resource["spec"]["engine"].update(fleet.gpu_pool(1))
+    resource["spec"]["engine"].update(fleet.gpu_pool(1, kubelet=True))
     fleet.prerequisites(resource)
     fleet.kubectl.apply([resource])
     children = Children(tmp_path)
@@ -190,7 +238,7 @@ def test_a_fleet_scaled_to_zero_holds_the_first_request_until_it_is_scaled_back(
         assert serving.series()["megatron_serve_engine_groups_wanted"] == 0
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(serving.ask)
+            held = pool.submit(serving.stream)
             serving.wait(lambda: serving.series()["megatron_serve_requests_waiting_for_engine"] == 1, 60,
                          "the first request held")
             full = serving.post()
@@ -207,14 +255,16 @@ def test_a_fleet_scaled_to_zero_holds_the_first_request_until_it_is_scaled_back(
             before = serving.series()
             began = time.monotonic()
             serving.scale(wanted)
-            text = held.result(timeout=HOLD + 30)
+            streamed = held.result(timeout=HOLD + 30)
             woke = time.monotonic() - began
+        print(streamed.line(uninterrupted))
         series = serving.series()
         print(f"wake from zero on the cluster: kubectl scale --replicas=1 -> the held request answered in {woke:.1f}s; "
               f"the server's megatron_serve_wake_seconds "
               f"{series['megatron_serve_wake_seconds_sum'] - before['megatron_serve_wake_seconds_sum']:.1f}s (arrival "
               "to the engine's registration)")
-        assert text == uninterrupted, (text, uninterrupted)
+        assert streamed.text == uninterrupted, (streamed.text, uninterrupted)
+        assert len(streamed.pieces) > 1, streamed.pieces  # streamed, piece by piece
         assert series["megatron_serve_wake_seconds_count"] - before["megatron_serve_wake_seconds_count"] == 1
         assert series["megatron_serve_engine_groups_wanted"] == 0
         serving.wait(lambda: serving.kubelet.serving(1), 60, "the group back, serving")
