@@ -7,7 +7,6 @@ tested against this, without processes or a model; the end-to-end module covers 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator
 
 from megatron_serve.client.coordinator_client import StreamPartial
@@ -146,11 +145,3 @@ class FakeBackend:
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
-
-
-async def async_wait_until(predicate, timeout: float, what: str, interval: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(interval)

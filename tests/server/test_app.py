@@ -16,8 +16,9 @@ from megatron_serve.client.coordinator_client import StreamPartial
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason
 from megatron_serve.server import create_app
 
+from ..helpers import until
 from .conftest import metric, serving
-from .fakes import FakeBackend, async_wait_until
+from .fakes import FakeBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,7 +223,7 @@ async def test_stopped_or_unreachable_fleet_is_503_and_not_ready(tokenizer, back
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
         assert (await http.get("/ready")).json()["ready"] is True
         backend.state = "STOPPED"
-        await async_wait_until(lambda: backend.state == "STOPPED", 1, "state")
+        await until(lambda: backend.state == "STOPPED", 1, "state")
         for _ in range(100):
             ready = await http.get("/ready")
             if ready.status_code == 503:
@@ -261,7 +262,7 @@ async def test_paused_fleet_holds_requests_and_queue_limit_is_429(tokenizer, bac
         assert ready.status_code == 503 and ready.json()["state"] == "PAUSED", ready.text
         assert "the fleet is PAUSED: requests wait until it runs again" in ready.json()["detail"]
         held = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
-        await async_wait_until(lambda: len(backend.submitted) == 3, 10, "3 held requests")
+        await until(lambda: len(backend.submitted) == 3, 10, "3 held requests")
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_server_pending_requests") == 3
         assert metric(metrics, "megatron_serve_lifecycle_state", 'state="PAUSED"') == 1
@@ -284,7 +285,7 @@ async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 2},
                             timeout=httpx.Timeout(0.5, connect=30))  # a loaded machine's connect is no give-up
-        await async_wait_until(lambda: len(backend.aborted) == 2, 10, "both choices aborted")
+        await until(lambda: len(backend.aborted) == 2, 10, "both choices aborted")
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 2
         assert metric(metrics, "megatron_serve_server_pending_requests") == 0
@@ -303,8 +304,7 @@ async def left_mid_stream(http: httpx.AsyncClient, backend: FakeBackend, path: s
     async with http.stream("POST", path, json=body) as response:
         assert response.status_code == 200
         await read_events(response, events)
-    await async_wait_until(lambda: len(backend.aborted) == aborted and not backend.running, 10,
-                           f"{aborted} requests aborted")
+    await until(lambda: len(backend.aborted) == aborted and not backend.running, 10, f"{aborted} requests aborted")
     metrics = (await http.get("/metrics")).text
     assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == aborted
     return metrics

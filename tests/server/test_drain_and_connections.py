@@ -21,7 +21,8 @@ import pytest
 from megatron_serve.server import connections
 from megatron_serve.server.connections import BurstLog
 
-from .fakes import FakeBackend, async_wait_until
+from ..helpers import until
+from .fakes import FakeBackend
 from .test_app import MODEL, assert_error, make_app
 from .test_intake import serving_with
 
@@ -42,9 +43,9 @@ async def test_a_stop_drains_admitted_requests_refuses_new_ones_and_answers_the_
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         streams = [asyncio.create_task(collect_stream(http, LONG)) for _ in range(2)]
         whole = [asyncio.create_task(http.post("/v1/completions", json=LONG)) for _ in range(2)]
-        await async_wait_until(lambda: len(backend.running) == 4, 10, "4 requests running")
+        await until(lambda: len(backend.running) == 4, 10, "4 requests running")
         stop.set()
-        await async_wait_until(app.state.ctx.drain.draining.is_set, 10, "admission to stop")
+        await until(app.state.ctx.drain.draining.is_set, 10, "admission to stop")
         refused = await http.post("/v1/completions", json=LONG)
         ready = await http.get("/ready")
         health = await http.get("/health")
@@ -68,7 +69,7 @@ async def test_what_is_still_running_at_the_drain_deadline_ends_with_an_error(to
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         stream = asyncio.create_task(collect_stream(http, LONG))
         whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
-        await async_wait_until(lambda: len(backend.running) == 2, 10, "2 requests running")
+        await until(lambda: len(backend.running) == 2, 10, "2 requests running")
         began = time.monotonic()
         stop.set()
         answer, chunks = await whole, await stream

@@ -13,8 +13,9 @@ import pytest
 
 from megatron_serve.server import create_app, generation
 
+from ..helpers import until
 from .conftest import serving
-from .fakes import FakeBackend, async_wait_until
+from .fakes import FakeBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,9 +79,9 @@ async def test_a_request_given_up_aborts_only_what_reached_the_fleet(tokenizer, 
     backend.gate.clear()  # a paused fleet: the first window waits
     async with serving(_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         asked = asyncio.ensure_future(http.post("/v1/completions", json=_body(stream=True)))
-        await async_wait_until(lambda: len(backend.ids) == WINDOW, 30, "the first window")
+        await until(lambda: len(backend.ids) == WINDOW, 30, "the first window")
         asked.cancel()  # the client leaves
-        await async_wait_until(lambda: len(backend.aborted) == WINDOW, 30, "the window's aborts")
+        await until(lambda: len(backend.aborted) == WINDOW, 30, "the window's aborts")
         assert sorted(backend.aborted) == sorted(backend.ids)  # the others never reached the fleet
         assert len(backend.ids) == WINDOW
 
@@ -96,7 +97,7 @@ async def test_abort_requests_ends_the_jobs_not_sent_yet_too(tokenizer, monkeypa
                 "request_id": "cut-me"}
         async with s.http.stream("POST", "/v1/completions", json=body, headers=API) as streamed:
             assert streamed.status_code == 200
-            await async_wait_until(lambda: len(s.fleet.requests) == WINDOW, 30, "the first window to run")
+            await until(lambda: len(s.fleet.requests) == WINDOW, 30, "the first window to run")
             answer = await s.http.post("/abort_requests", json={"request_ids": ["cut-me"]}, headers=ADMIN)
             assert answer.json() == {"status": "aborted", "aborted": CHOICES}
             reasons = {}
