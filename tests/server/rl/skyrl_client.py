@@ -34,9 +34,7 @@ import sys
 import types
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
+from checkpoint_module import Checkpoint  # beside this script (its folder: sys.path[0])
 from megatron_serve.client.trainer_group import trainer_init, trainer_send_weights
 
 
@@ -62,18 +60,6 @@ from skyrl.backends.skyrl_train.weight_sync.weight_senders import get_skyrl_nccl
 from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
 
 TOKENS = 8
-
-
-class Checkpoint(torch.nn.Module):
-    """A module whose parameters are a checkpoint's tensors under their names (what SkyRL's ``ModuleSource`` over
-    the policy walks), registered in the checkpoint's order."""
-
-    def __init__(self, model_dir: str) -> None:
-        super().__init__()
-        self.named = sorted(load_file(f"{model_dir}/model.safetensors").items())
-
-    def named_parameters(self, *_, **__):  # noqa: ANN201 - torch's signature
-        return iter([(name, torch.nn.Parameter(t, requires_grad=False)) for name, t in self.named])
 
 
 def gloo_engine() -> tuple[type, type]:

@@ -20,23 +20,17 @@ import pytest
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
-from .weight_fleet import (PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
+from .weight_fleet import (PROMPTS, ROOT, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
                           run_framework, with_key)
 
-ROOT = Path(__file__).parents[3]
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
-AREAL = ROOT / ".anchors-areal"
-RUNNER = Path(__file__).with_name("areal_client.py")
 pytestmark = pytest.mark.timeout(600)
 
 
 def run_areal(fleet, model_dir: str, new_model_dir: str, prompts: list[list[int]], work_dir: Path) -> dict:
-    if not VERL_PYTHON.exists() or not (AREAL / "areal").is_dir():
-        pytest.fail(f"AReaL's environment is missing ({VERL_PYTHON}, {AREAL}/areal): run `make setup` (after "
-                    "removing .venv-verl/.installed where that venv predates it)")
     addr = with_key(fleet.url, "areal").removeprefix("http://")
     argv = [addr, model_dir, new_model_dir, json.dumps(prompts), str(free_port()), str(work_dir)]
-    return run_framework(VERL_PYTHON, RUNNER, argv, [AREAL])
+    return run_framework(VERL_PYTHON, "areal_client.py", argv, ".anchors-areal", "areal")
 
 
 def texts(fleet, outputs: list[dict]) -> list[str]:

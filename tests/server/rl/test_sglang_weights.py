@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from .weight_fleet import ADMIN, checkpoints, completions, epoch, fleet, run_trainer  # noqa: F401 - fixtures
+from .weight_fleet import (ADMIN, answer, assert_refused, checkpoints, completions, epoch, fleet,  # noqa: F401
+                           run_trainer)
 
 pytestmark = [pytest.mark.timeout(900)]
 
 UPDATE = "/update_weights_from_distributed"
 
 
-def answer(lines: list[dict], call: str) -> dict:
-    return [line for line in lines if line["call"] == call][-1]
-
-
 @pytest.mark.parametrize("corrupt, status", [("dtype", 400), ("name", 409), ("shape", 409)])
 def test_a_bad_dtype_name_or_shape_is_refused_with_the_fleet_on_its_old_epoch_still_serving(
         fleet, checkpoints, corrupt, status):
     lines = run_trainer(fleet, "sglang", checkpoints.b, "--corrupt", corrupt, "--version", "3")
-    refused = answer(lines, UPDATE)
-    assert refused["status"] == status, lines
-    message = refused["body"]["error"]["message"]
-    assert {"dtype": "int8", "name": "model.layers.99.mlp.nope.weight", "shape": "(3, 3)"}[corrupt] in message
+    assert_refused(lines, UPDATE, corrupt, status)
     assert answer(lines, "/destroy_weights_update_group")["status"] == 200
     assert epoch(fleet) == 0
     assert completions(fleet) == (checkpoints.texts.a, {0})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,17 +20,12 @@ from ...helpers import free_port
 from .weight_fleet import (ADMIN_KEY, PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
                           run_framework, with_key)
 
-ANCHORS = Path(__file__).parents[3] / ".anchors"
-RUNNER = Path(__file__).with_name("skyrl_client.py")
 pytestmark = pytest.mark.timeout(600)
 
 
 def run_skyrl(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
-    if not (ANCHORS / "skyrl").is_dir():
-        pytest.fail(f"skyrl 0.4.0 is not installed in {ANCHORS}: run `make setup` (after removing "
-                    ".venv/.installed-test where the venv predates it)")
     argv = [fleet.url, with_key(fleet.url, "skyrl"), fleet.model, model_dir, json.dumps(prompts), str(free_port())]
-    return run_framework(sys.executable, RUNNER, argv, [ANCHORS])
+    return run_framework(sys.executable, "skyrl_client.py", argv, ".anchors", "skyrl")
 
 
 def test_skyrls_own_clients_generate_then_push_a_checkpoint_and_generate_its_completions(fleet, checkpoints):

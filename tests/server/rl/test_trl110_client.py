@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -22,17 +21,12 @@ from ...helpers import free_port
 from .weight_fleet import (PROMPTS, TOKENS, checkpoints, epoch, fleet,  # noqa: F401 - fixtures
                           run_framework, with_key)
 
-TRL110 = Path(__file__).parents[3] / ".anchors-trl110"
-RUNNER = Path(__file__).with_name("trl110_client.py")
 pytestmark = pytest.mark.timeout(600)
 
 
 def run_trl110(fleet, model_dir: str, prompts: list[list[int]]) -> dict:
-    if not (TRL110 / "trl").is_dir():
-        pytest.fail(f"trl 1.10.0 is not installed in {TRL110}: run `make setup` (after removing "
-                    ".venv/.installed-test where the venv predates it)")
     argv = [with_key(fleet.url, "trl"), model_dir, json.dumps(prompts), str(free_port())]
-    return run_framework(sys.executable, RUNNER, argv, [TRL110])
+    return run_framework(sys.executable, "trl110_client.py", argv, ".anchors-trl110", "trl")
 
 
 def texts(fleet, completion_ids: list[list[int]]) -> list[str]:

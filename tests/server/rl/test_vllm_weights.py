@@ -14,13 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .weight_fleet import ADMIN, checkpoints, completions, epoch, fleet, run_trainer  # noqa: F401 - fixtures
+from .weight_fleet import (ADMIN, answer, assert_refused, checkpoints, completions, epoch, fleet,  # noqa: F401
+                           run_trainer)
 
 pytestmark = [pytest.mark.timeout(900)]
-
-
-def answer(lines: list[dict], call: str) -> dict:
-    return [line for line in lines if line["call"] == call][-1]
 
 
 @pytest.mark.parametrize("corrupt, call, status", [("dtype", "/update_weights", 400),
@@ -29,10 +26,7 @@ def answer(lines: list[dict], call: str) -> dict:
 def test_a_bad_dtype_name_or_shape_is_refused_with_the_fleet_on_its_old_epoch_still_serving(
         fleet, checkpoints, corrupt, call, status):
     lines = run_trainer(fleet, "vllm", checkpoints.b, "--corrupt", corrupt, "--version", "3")
-    refused = answer(lines, call)
-    assert refused["status"] == status, lines
-    message = refused["body"]["error"]["message"]
-    assert {"dtype": "int8", "name": "model.layers.99.mlp.nope.weight", "shape": "(3, 3)"}[corrupt] in message
+    assert_refused(lines, call, corrupt, status)
     assert epoch(fleet) == 0
     assert completions(fleet) == (checkpoints.texts.a, {0})
 

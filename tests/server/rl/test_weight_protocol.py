@@ -28,7 +28,7 @@ from megatron_serve.server.rl.weight_slot import STALL_S
 from ...helpers import free_port
 from ..conftest import admin_run
 from .weight_fleet import checkpoints  # noqa: F401 - a fixture
-from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, completions, run_trainer
+from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, answer, completions, run_trainer
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -77,10 +77,6 @@ def ended(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGCONT)
     process.kill()
     process.wait()
-
-
-def answer(lines: list[dict], call: str) -> dict:
-    return [line for line in lines if line["call"] == call][-1]
 
 
 def test_a_weight_version_must_increase_and_a_refused_one_leaves_the_fleet_serving(fleet, checkpoints):

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import torch
 import trl
 import trl.generation.vllm_client as trl_vllm
-from safetensors.torch import load_file
 
+from checkpoint_module import Checkpoint  # beside this script (its folder: sys.path[0])
 from megatron_serve.client.trainer_group import trainer_init, trainer_send_weights
 from megatron_serve.weights.framework_groups import TRL_PREFIX
 
@@ -51,17 +51,6 @@ class GlooCommunicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         trainer_send_weights([("", tensor)], self.group.pg, src=src)
-
-
-class Checkpoint(torch.nn.Module):
-    """A module whose ``named_parameters`` are a checkpoint's tensors (what TRL's trainer passes)."""
-
-    def __init__(self, model_dir: str) -> None:
-        super().__init__()
-        self.named = sorted(load_file(f"{model_dir}/model.safetensors").items())
-
-    def named_parameters(self, *_, **__):  # noqa: ANN201 - torch's signature
-        return iter([(name, torch.nn.Parameter(t, requires_grad=False)) for name, t in self.named])
 
 
 def main(base_url: str, model_dir: str, prompts: list[list[int]], port: int) -> dict:

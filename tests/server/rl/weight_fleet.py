@@ -39,6 +39,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):"]
 TOKENS = 8
 TRAINER = Path(__file__).with_name("weight_trainer.py")
+ROOT = Path(__file__).parents[3]
 
 
 def completion_body(model: str, prompt: str) -> dict:
@@ -160,17 +161,38 @@ def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: s
     return lines
 
 
+def answer(lines: list[dict], call: str) -> dict:
+    """The last of a trainer's answers (:func:`run_trainer`'s lines) to ``call``."""
+    return [line for line in lines if line["call"] == call][-1]
+
+
+def assert_refused(lines: list[dict], call: str, corrupt: str, status: int) -> None:
+    """``call`` refused the tensor that ``weight_trainer.py --corrupt corrupt`` spoilt with ``status``, and its
+    message names what is wrong (the last tensor's dtype, name or shape)."""
+    refused = answer(lines, call)
+    assert refused["status"] == status, lines
+    wrong = {"dtype": "int8", "name": "model.layers.99.mlp.nope.weight", "shape": "(3, 3)"}[corrupt]
+    assert wrong in refused["body"]["error"]["message"], refused
+
+
 def with_key(url: str, user: str) -> str:
     """``url`` with the admin key as HTTP Basic's password: the frameworks' aiohttp clients send no header of their
     own, but aiohttp and requests send a URL's credentials as Basic."""
     return url.replace("://", f"://{user}:{ADMIN_KEY}@", 1)
 
 
-def run_framework(python: Path | str, runner: Path, argv: list[str], path: list[Path]) -> dict:
-    """A framework's own client code, run by ``runner`` under ``python`` with ``path`` first on ``PYTHONPATH`` (where
-    that framework is installed beside the venv), and the JSON of the last line it printed."""
-    search = os.pathsep.join(filter(None, [*map(str, path), os.environ.get("PYTHONPATH")]))
-    ended = subprocess.run([str(python), str(runner), *argv], capture_output=True, text=True, timeout=540,
-                           env={**os.environ, "PYTHONPATH": search})
+def run_framework(python: Path | str, runner: str, argv: list[str], anchors: str, package: str) -> dict:
+    """A framework's own client code: the script ``runner`` (beside this module) under ``python``, with ``anchors``
+    (the folder at the repository's root where ``make setup`` installs that framework beside the venv) first on
+    ``PYTHONPATH``; the JSON of the last line it printed. Fails, saying what to run, where ``package`` is not
+    installed there."""
+    path = ROOT / anchors
+    if not Path(python).exists() or not (path / package).is_dir():
+        pytest.fail(f"{package} is not installed in {path} (or {python} is missing): run `make setup` (after "
+                    "removing the venv's stamp, .venv/.installed-test or .venv-verl/.installed, where it predates the "
+                    "framework)")
+    search = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
+    ended = subprocess.run([str(python), str(Path(__file__).with_name(runner)), *argv], capture_output=True,
+                           text=True, timeout=540, env={**os.environ, "PYTHONPATH": search})
     assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
     return json.loads(ended.stdout.strip().splitlines()[-1])
