@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2, sm_count
+from ._triton_utils import dot_width, fp8_native, interpreted, last_dim_contiguous, next_pow2, sm_count
 from .paged_kv import PagedKV
-from .triton_paged_attention import LOG2E, attend, attention_strides
+from .triton_paged_attention import LOG2E, attend, attend_constants, attention_strides
 
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -152,8 +152,7 @@ def paged_attention_decode(
     q, out = cache.fit(q, out)
     block_size, num_kv_heads = cache.block_size, cache.kv_heads
     num_seqs, num_q_heads, head_dim = q.shape
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    context_lens = context_lens.contiguous()
+    block_tables, context_lens = last_dim_contiguous(block_tables), context_lens.contiguous()
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -176,13 +175,8 @@ def paged_attention_decode(
         *attention_strides(q, cache, block_tables, out),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        FP32_DOT=cpu or q.dtype == torch.float32,
-        KV_FP8=cache.fp8,
+        **attend_constants(q, cache, block_n),
         num_warps=4,
         num_stages=2,
     )

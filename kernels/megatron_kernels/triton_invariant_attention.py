@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import fp8_native, next_pow2
+from ._triton_utils import fp8_native, last_dim_contiguous, next_pow2
 from .paged_kv import PagedKV
 
 KEY_BLOCK = 32
@@ -132,8 +132,8 @@ def _launch(q: torch.Tensor, cache: PagedKV, out: torch.Tensor | None, scale: fl
         return out
     decode_tables, decode_lens = decode if decode is not None else (None, None)
     prefill_tables, starts, prefill_lens = prefill if prefill is not None else (None, None, None)
-    decode_tables = _rows_contiguous(decode_tables if decode_tables is not None else prefill_tables)
-    prefill_tables = _rows_contiguous(prefill_tables if prefill_tables is not None else decode_tables)
+    decode_tables = last_dim_contiguous(decode_tables if decode_tables is not None else prefill_tables)
+    prefill_tables = last_dim_contiguous(prefill_tables if prefill_tables is not None else decode_tables)
     num_decode = 0 if decode is None else decode_lens.shape[0]
     num_chunks = 0 if prefill is None else prefill_lens.shape[0]
     _invariant_attention_kernel[(rows * heads,)](
@@ -150,10 +150,6 @@ def _launch(q: torch.Tensor, cache: PagedKV, out: torch.Tensor | None, scale: fl
         BLOCK_SIZE=cache.block_size, KEY_BLOCK=key_block, KV_FP8=cache.fp8, num_warps=NUM_WARPS,
     )
     return out
-
-
-def _rows_contiguous(table: torch.Tensor) -> torch.Tensor:
-    return table if table.stride(-1) == 1 else table.contiguous()
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,5 +1,5 @@
 """What the decode and prefill attention kernels share: the online-softmax pass over a range of one
-sequence's paged keys, and the stride arguments their launches pass in one order.
+sequence's paged keys, and the stride and constant arguments their launches pass to it.
 
 ``attend`` is a ``@triton.jit`` function that both kernels call (Triton inlines it), so a change to how a
 tile of keys is read, scaled or accumulated is made once for both. An FP8 cache (``KV_FP8``) is read as
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import dot_width, interpreted
 from .paged_kv import PagedKV
 
 LOG2E = 1.4426950408889634
@@ -83,3 +84,12 @@ def attention_strides(q: torch.Tensor, cache: PagedKV, block_tables: torch.Tenso
     cache's (block, slot, head), the block table's row, the output rows and heads, the FP8 scales' (block, slot)."""
     return (q.stride(0), q.stride(1), *cache.block_strides(), block_tables.stride(0), out.stride(0), out.stride(1),
             *cache.scale_strides())
+
+
+def attend_constants(q: torch.Tensor, cache: PagedKV, block_n: int) -> dict[str, int | bool]:
+    """The constexprs both kernels pass on to :func:`attend`, by name: the head's width and its ``tl.dot`` tile,
+    the cache's block size and FP8-ness, the key tile, and whether the dots run in float32 (under the
+    interpreter, or a float32 model)."""
+    head_dim = q.shape[-1]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=dot_width(head_dim), BLOCK_SIZE=cache.block_size, BLOCK_N=block_n,
+                FP32_DOT=interpreted(q) or q.dtype == torch.float32, KV_FP8=cache.fp8)

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2
+from ._triton_utils import fp8_native, interpreted, last_dim_contiguous, next_pow2
 from .paged_kv import PagedKV
-from .triton_paged_attention import LOG2E, attend, attention_strides
+from .triton_paged_attention import LOG2E, attend, attend_constants, attention_strides
 
 
 # The step's metadata arrives as slices that start past its decode rows (``seq_lens[num_decode:]``): their address
@@ -125,11 +125,10 @@ def paged_attention_prefill(
         return reference.paged_attention_prefill(q, cache, block_tables, query_start_loc, context_lens, scale,
                                                  out=out)
     q, out = cache.fit(q, out)
-    block_size, num_kv_heads = cache.block_size, cache.kv_heads
+    num_kv_heads = cache.kv_heads
     num_tokens, num_q_heads, head_dim = q.shape
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    query_start_loc = query_start_loc.contiguous()
-    context_lens = context_lens.contiguous()
+    block_tables = last_dim_contiguous(block_tables)
+    query_start_loc, context_lens = query_start_loc.contiguous(), context_lens.contiguous()
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return out
@@ -152,12 +151,7 @@ def paged_attention_prefill(
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        BLOCK_D=dot_width(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        FP32_DOT=cpu or q.dtype == torch.float32,
-        KV_FP8=cache.fp8,
+        **attend_constants(q, cache, block_n),
         num_warps=8 if block_m >= 128 and not cpu else 4,
         num_stages=1 if q.dtype == torch.float32 else 2,  # fp32 tiles would need twice the shared memory
     )

@@ -103,10 +103,11 @@ def main(capability: int, quick: bool = False) -> int:
     from megatron_kernels import _triton_utils, fp8  # noqa: PLC0415
     from megatron_kernels import triton_activation, triton_decode_attention, triton_kv_cache  # noqa: PLC0415
     from megatron_kernels import triton_fp8_linear, triton_lora, triton_moe, triton_norm  # noqa: PLC0415
-    from megatron_kernels import triton_invariant_attention, triton_prefill_attention, triton_rotary  # noqa: PLC0415
+    from megatron_kernels import triton_invariant_attention, triton_paged_attention  # noqa: PLC0415
+    from megatron_kernels import triton_prefill_attention, triton_rotary  # noqa: PLC0415
 
     modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_moe, triton_norm,
-               triton_prefill_attention, triton_rotary, triton_fp8_linear, triton_lora)
+               triton_paged_attention, triton_prefill_attention, triton_rotary, triton_fp8_linear, triton_lora)
     for module in modules:  # GPU launch heuristics on CPU tensors
         if hasattr(module, "interpreted"):
             module.interpreted = lambda t: False
