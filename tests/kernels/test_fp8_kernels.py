@@ -208,13 +208,19 @@ WEIGHT_CASES = [  # m, n, k, block, dtype, bias
 ]
 
 
+def _linear_inputs(m, n, k, block, dtype, bias, seed):
+    """One of :data:`WEIGHT_CASES`: an FP8 weight ``[n, k]`` and its scales, the activations ``[m, k]`` and a bias
+    or None, drawn from ``seed`` on."""
+    weight, scale = _fp8_weight(n, k, block, seed=seed)
+    x = _randn(m, k, dtype=dtype, seed=seed + 1)
+    return weight, scale, x, _randn(n, dtype=dtype, seed=seed + 2) if bias else None
+
+
 @pytest.mark.parametrize(("m", "n", "k", "block", "dtype", "bias"), WEIGHT_CASES)
 def test_weight_only_fp8_linear_matches_reference(m, n, k, block, dtype, bias):
     from megatron_kernels.triton_fp8_linear import fp8_linear_weight_only
 
-    weight, scale = _fp8_weight(n, k, block, seed=31)
-    x = _randn(m, k, dtype=dtype, seed=32)
-    b = _randn(n, dtype=dtype, seed=33) if bias else None
+    weight, scale, x, b = _linear_inputs(m, n, k, block, dtype, bias, seed=31)
     expected = reference.fp8_linear(x, weight, scale, block, b)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     _close(fp8_linear_weight_only(x, weight, scale, block, b), expected, tol)
@@ -225,9 +231,7 @@ def test_weight_only_fp8_linear_matches_reference(m, n, k, block, dtype, bias):
 def test_fp8_gemm_matches_quantized_reference(m, n, k, block, dtype, bias):
     from megatron_kernels.triton_fp8_linear import fp8_linear_fp8_gemm
 
-    weight, scale = _fp8_weight(n, k, block, seed=34)
-    x = _randn(m, k, dtype=dtype, seed=35)
-    b = _randn(n, dtype=dtype, seed=36) if bias else None
+    weight, scale, x, b = _linear_inputs(m, n, k, block, dtype, bias, seed=34)
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     _close(fp8_linear_fp8_gemm(x, weight, scale, block, b), _w8a8_reference(x, weight, scale, block, b), tol)
     # and near the unquantized activations (what the reference path serves): e4m3's 2^-4 rounding, not a bug's
