@@ -124,6 +124,9 @@ TEST_ARGS ?= $(if $(CI),-vv)
 KUBE_CLUSTER ?= tools/kube-cluster
 KUBE_UP = $(if $(MEGATRON_KUBECONFIG),:,$(KUBE_CLUSTER) up "$$tmp/kube")
 KUBE_ENV = $(if $(MEGATRON_KUBECONFIG),,KUBECONFIG="$$tmp/kube/kubeconfig" MEGATRON_KUBE_CLUSTER_DIR="$$tmp/kube")
+# The real cluster's files run first, and the cluster goes down once the last of their tests is done (idle, it still
+# burns CPU the rest of the suite can use: tests/operator/cluster_users.py); the `down` after pytest stays.
+KUBE_DOWN_EARLY = $(if $(MEGATRON_KUBECONFIG),,--kube-cluster-down-when-unused="$$tmp/kube")
 kube-tools:
 	$(KUBE_CLUSTER) build
 
@@ -132,7 +135,7 @@ test: $(TESTING) $(VERL_INSTALLED) $(SYSTEM_TOOLS) kube-tools
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
 	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \
 	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" $(KUBE_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		--durations=30 $(TEST_ARGS); \
+		--durations=30 $(KUBE_DOWN_EARLY) $(TEST_ARGS); \
 	status=$$?; $(if $(MEGATRON_KUBECONFIG),,$(KUBE_CLUSTER) down "$$tmp/kube";) rm -rf "$$tmp"; exit $$status
 
 test-fast: $(TESTING)

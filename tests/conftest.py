@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from .operator import cluster_users
 from .parity.options import add_options
 
 
@@ -33,6 +34,11 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+    cluster_users.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cluster_users.register(config)  # make test's early stop of its control plane (tests/operator/cluster_users.py)
 
 
 #: Seconds each test file took in a whole-suite run (``tools/suite_cpu.py --weights``): longest first.

@@ -23,7 +23,7 @@ INSTALLED = (".venv/.installed-runtime", ".venv/.installed-test", ".venv-verl/.i
 STAND_IN = """#!/bin/sh
 case "$*" in *compileall*) exit 0 ;; esac
 echo "$TMPDIR" > "{record}"
-echo "pytest $KUBECONFIG $MEGATRON_KUBE_CLUSTER_DIR" >> "{calls}"
+echo "pytest $KUBECONFIG $MEGATRON_KUBE_CLUSTER_DIR $(echo "$*" | grep -o -- '--kube-cluster-down-when-unused=[^ ]*')" >> "{calls}"
 mkdir -p "$TMPDIR/pytest-of-me/pytest-0/test_a0" "$TMPDIR/pymp-abc/listener-x"
 case "{mode}" in
   fail) exit 3 ;;
@@ -96,10 +96,12 @@ def test_what_the_suite_wrote_goes_after_ctrl_c_too(tmp_path):
 
 
 def assert_the_cluster_came_up_for_the_suite_and_went_down(tmp_path: Path, suite_tmp: Path) -> None:
-    """kube-tools built, a cluster came up in the suite's TMPDIR, pytest saw it, and it went down after."""
+    """kube-tools built, a cluster came up in the suite's TMPDIR, pytest saw it (and may stop it once its tests are
+    done: tests/operator/cluster_users.py), and it went down after."""
     kube = suite_tmp / "kube"
     calls = (tmp_path / "kube-calls").read_text().splitlines()
-    assert calls == ["build", f"up {kube}", f"pytest {kube}/kubeconfig {kube}", f"down {kube}"], calls
+    assert calls == ["build", f"up {kube}", f"pytest {kube}/kubeconfig {kube} --kube-cluster-down-when-unused={kube}",
+                     f"down {kube}"], calls
 
 
 def test_ci_runs_exactly_the_readmes_make_test():
