@@ -48,6 +48,7 @@ def _main(script: str, argv: list[str], env: dict[str, str], out: str | None, er
         os.dup2(target, fd)
         os.close(target)
     sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` has it: what lies beside it
     runpy.run_path(script, run_name="__main__")
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.model.tiny import make_tiny_model
 
-from .sharded_trainer import EXPERT
+from .checkpoint_cuts import EXPERT
 from .test_sharded_refit_fleet import assert_serves, outputs, run_trainers, three_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

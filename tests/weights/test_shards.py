@@ -18,7 +18,7 @@ from megatron_serve.weights.shards import (buckets_of, cover_problem, link_chunk
                                            piece_of, volume)
 from megatron_serve.wire.messages import PieceSpec, TensorSpec
 
-from .sharded_trainer import EXPERT, cut
+from .checkpoint_cuts import EXPERT, cut
 
 SPEC = TensorSpec("w", (4, 6), "float32")
 
