@@ -66,9 +66,9 @@ def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
 @dataclass
 class ScheduledBatch:
     """One step's work: ``(sequence, tokens to compute)``, decode entries (one token) first. ``displacing``: a request
-    of a better band took the slot or KV blocks of a worse one in this step (:mod:`.tenancy`); the engine reads such a
-    step at once instead of overlapping the next one with it (``engine.core``), so that the request that asked for
-    latency gets its first token a step sooner."""
+    of a better band took the slot or KV blocks of a worse one in this step (:mod:`.tenancy`: one that took a slot
+    computes that band alone); the engine reads such a step at once instead of overlapping the next one with it
+    (``engine.core``), so that the request that asked for latency gets its first token a step sooner."""
 
     entries: list[tuple[Sequence, int]]
     preempted: list[Sequence]
