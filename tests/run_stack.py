@@ -54,8 +54,9 @@ class RunStack:
     env: dict[str, str]  # for commands that should find this run: `megatron-serve control` without --coordinator
 
     def children(self) -> dict[str, list[int]]:
-        """The run's live children by role (``coordinator``, ``engine``), from /proc."""
-        found: dict[str, list[int]] = {"coordinator": [], "engine": []}
+        """The run's live children by role (``coordinator``, ``engine``, and the ``launcher`` that forks its engines),
+        from /proc."""
+        found: dict[str, list[int]] = {"coordinator": [], "engine": [], "launcher": []}
         for pid in child_pids(self.proc.pid):
             role = role_of(pid)
             if role in found:
@@ -172,29 +173,46 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
     return stack
 
 
+#: The module of the process that forks a local fleet's engines (runtime/megatron_serve/commands/launcher.py).
+LAUNCHER = "megatron_serve.commands.launcher"
+
+
 def child_pids(parent: int) -> list[int]:
-    """Children of every thread of ``parent`` (the local fleet starts them from a thread of its own)."""
+    """Children of every thread of ``parent`` (the local fleet starts them from a thread of its own), and the
+    children of its engine launcher among them (the engines and rendezvous stores it forked)."""
     pids: list[int] = []
     for task in Path(f"/proc/{parent}/task").glob("*"):
         try:
             pids += [int(p) for p in (task / "children").read_text().split()]
         except OSError:
             continue
-    return pids
+    return pids + [child for pid in pids if LAUNCHER in command_line(pid) for child in child_pids(pid)]
+
+
+def command_line(pid: int) -> list[str]:
+    """Process ``pid``'s command line ([] once it is gone), as a forked engine's title reads too: one string its
+    launcher set (setproctitle), the words split at spaces, as ``ps`` shows it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().rstrip(b"\0").decode(errors="replace").split("\0")
+    except OSError:
+        return []
+    return argv[0].split(" ") if len(argv) == 1 else argv
 
 
 def role_of(pid: int) -> str | None:
+    argv = command_line(pid)
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = fh.read().split(b"\0")
         with open(f"/proc/{pid}/stat") as fh:
             if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return None  # dead, not yet reaped
     except OSError:
         return None
-    if b"megatron_serve.cli" not in argv:
+    if LAUNCHER in argv:
+        return "launcher"
+    if "megatron_serve.cli" not in argv:
         return None
-    return argv[argv.index(b"megatron_serve.cli") + 1].decode()
+    return argv[argv.index("megatron_serve.cli") + 1]
 
 
 def alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from megatron_serve.model.tiny import make_tiny_model
-from tests.run_stack import complete, start_run, stream
+from tests.run_stack import command_line, complete, start_run, stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,14 +27,17 @@ TOKENS = 96
 
 
 def data_parallel_rank(pid: int) -> int:
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return int(argv[argv.index(b"--data-parallel-rank") + 1])
+    argv = command_line(pid)
+    return int(argv[argv.index("--data-parallel-rank") + 1])
 
 
-def rendezvous(pid: int) -> str:
-    """The engine's ``MASTER_ADDR:MASTER_PORT``, where its gang meets."""
-    env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
-    return f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}"
+def rendezvous(logs: Path, pid: int) -> str:
+    """The engine's ``MASTER_ADDR:MASTER_PORT``, where its gang meets, as its log says (a forked engine's
+    /proc/PID/environ is its launcher's)."""
+    said = re.compile(rf"\(pid {pid}\): its group meets at (\S+)")
+    found = [m.group(1) for log in logs.glob("engine-*.log") for m in said.finditer(log.read_text(errors="replace"))]
+    assert len(found) == 1, (pid, found)
+    return found[0]
 
 
 async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_the_uninterrupted_text(tmp_path):
@@ -50,8 +53,8 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
         assert re.search(r"e\d+-g0-dp0 +0 .*tp2 ep4 dp0/2", status) and re.search(r"e\d+-g0-dp1 +0 .*tp2 ep4 dp1/2",
                                                                                   status), status
         ranks = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
-        assert sorted(ranks) == [0, 1] and rendezvous(ranks[0]) == rendezvous(ranks[1])
-        met = rendezvous(ranks[0])
+        assert sorted(ranks) == [0, 1] and rendezvous(logs, ranks[0]) == rendezvous(logs, ranks[1])
+        met = rendezvous(logs, ranks[0])
         async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
             quiet = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
             streaming = asyncio.Event()  # the first chunk of any stream: the kill lands while they all run
@@ -71,7 +74,7 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
         await stack.wait_engines(2, timeout=300)
         again = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
         assert sorted(again) == [0, 1] and not set(again.values()) & set(ranks.values())
-        assert rendezvous(again[0]) == rendezvous(again[1]) != met  # a fresh rendezvous for the new gang
+        assert rendezvous(logs, again[0]) == rendezvous(logs, again[1]) != met  # a fresh rendezvous for the new gang
         status = stack.control("status")
         assert "dp0/2" in status and "dp1/2" in status and "e1-g0" not in status and "e2-g0" not in status, status
     finally:

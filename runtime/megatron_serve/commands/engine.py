@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING
 # Before torch is imported (engine_options -> config imports it): OpenMP worker threads that spin
 # after every op starve this process's coordinator link and everything sharing the host's cores
 # (measured on 2 cores: p99 request latency through the coordinator 197 ms spinning, 16 ms passive).
-# setdefault: an explicit OMP_WAIT_POLICY from the user wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# setdefault: an explicit OMP_WAIT_POLICY from the user wins. The fleet's launcher (commands/launcher.py) imports this
+# module first, so its forked engines ran their imports with these too.
+IMPORT_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+for _name, _value in IMPORT_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 from ..fleet.argv import kv_transfer_config  # noqa: E402
 from ..heap import pause_collection_until_started  # noqa: E402
@@ -105,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout (vLLM's --shutdown-timeout) must be >= 0, got {args.drain_timeout}")
     config = layout_config(args)
+    if config.data_parallel_size > 1:  # where its gang meets: /proc's environment of a forked engine is its launcher's
+        logger.info("data-parallel rank %d of %d (pid %d): its group meets at %s:%s", config.data_parallel_rank,
+                    config.data_parallel_size, os.getpid(), os.environ.get("MASTER_ADDR", "(unset)"),
+                    os.environ.get("MASTER_PORT", "(unset)"))
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
     if kv_role != "kv_both" and config.data_parallel_size > 1:
         raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with data-parallel attention yet")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..coordinator.routing import KNOWN_POLICIES
 from ..fleet.argv import disaggregated_roles
+from ..fleet.launcher_client import DEFAULT_ENGINE_START, ENGINE_STARTS
 from ..heap import pause_collection_until_started
 from ..http_options import HTTPOptions
 from . import api_servers, local_runs
@@ -62,7 +63,8 @@ SIZE_POLL_S = 0.5
 def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
     """``run``'s options; ``positional_model``: the model is the first argument (``serve MODEL``, as in vLLM)."""
     add_model_options(parser, positional=positional_model)
-    add_flags(parser, "run", KNOWN_POLICIES=KNOWN_POLICIES)
+    add_flags(parser, "run", KNOWN_POLICIES=KNOWN_POLICIES, ENGINE_STARTS=list(ENGINE_STARTS),
+              DEFAULT_ENGINE_START=DEFAULT_ENGINE_START)
     add_server_options(parser, default_host="127.0.0.1")
     add_engine_options(parser)
     add_token_option(parser, default="a new secret for this run, kept in its run directory")
@@ -325,7 +327,7 @@ class _Stack:
                                 max_request_logprobs=args.max_request_logprobs,
                                 session_ttl=args.session_affinity_ttl, prefill_engines=args.prefill_engines,
                                 decode_engines=args.decode_engines,
-                                data_parallel_size=args.data_parallel_size)
+                                data_parallel_size=args.data_parallel_size, engine_start=args.engine_start)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"

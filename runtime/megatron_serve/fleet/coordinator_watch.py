@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ..client.loop_thread import EventLoopThread
 
@@ -31,6 +32,7 @@ class CoordinatorWatch:
         from ..client.coordinator_client import InferenceClient  # noqa: PLC0415 - zmq: only when supervising
 
         self.deadline = deadline
+        self._since = time.monotonic()  # a watch made after the coordinator's start gives it the deadline from now
         self._heard = float("-inf")  # when the coordinator last said anything (monotonic)
         self.client = InferenceClient(address, token=token, role="control")
         self._thread = EventLoopThread("megatron-serve-coordinator-watch")
@@ -41,11 +43,13 @@ class CoordinatorWatch:
 
     def hung(self, started: float, now: float) -> str | None:
         """Why a coordinator started at ``started`` (monotonic) counts as hung at ``now``, or None: no word from it for
-        the deadline, counted from its start when it said nothing since (a restarted one has the deadline to answer)."""
+        the deadline, counted from its start when it said nothing since (a restarted one has the deadline to answer), or
+        from this watch's making when that came later (``supervise()`` after a start that took long)."""
         silent = self.client.silent_for()
         if silent is not None:
             self._heard = max(self._heard, now - silent)
-        quiet = now - max(self._heard, started)  # the connection drops after 5 s of silence: the last word counts
+        # the connection drops after 5 s of silence: the last word counts
+        quiet = now - max(self._heard, started, self._since)
         if quiet <= self.deadline:
             return None
         return f"it answered nothing for {quiet:.0f}s (liveness deadline {self.deadline:g}s)"

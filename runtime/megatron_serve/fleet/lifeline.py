@@ -50,8 +50,10 @@ class Lifeline:
     def __init__(self) -> None:
         self._read, self._write = os.pipe()  # neither is inherited, except the read end where passed
 
-    def env(self) -> dict[str, str]:
-        return {LIFELINE_ENV: f"{self._read}:{os.getpid()}"}
+    def env(self, parent: int | None = None) -> dict[str, str]:
+        """A child's variable naming the pipe and its parent: this process, or ``parent`` (a launcher that forks it,
+        :mod:`megatron_serve.commands.launcher`), whose thread its parent-death signal follows."""
+        return {LIFELINE_ENV: f"{self._read}:{parent or os.getpid()}"}
 
     def pass_fds(self) -> tuple[int, ...]:
         return (self._read,)
@@ -68,15 +70,23 @@ class Lifeline:
 
 def hold_lifeline() -> None:
     """In a child started with a :class:`Lifeline`: die with the parent (nothing to do without one)."""
+    fd = arm_lifeline()
+    if fd is not None:
+        threading.Thread(target=_watch, args=(fd,), name="megatron-serve-lifeline", daemon=True).start()
+
+
+def arm_lifeline() -> int | None:
+    """The parent-death signal armed and the lifeline's descriptor, for a child that watches it itself (the
+    launcher, which must stay single-threaded); None without a lifeline."""
     value = os.environ.pop(LIFELINE_ENV, None)
     if not value:
-        return
+        return None
     fd_text, _, pid_text = value.partition(":")
     fd, parent = int(fd_text), int(pid_text)
     parent_death_signal()
     if os.getppid() != parent:  # the parent died before the signal was armed
         _parent_gone()
-    threading.Thread(target=_watch, args=(fd,), name="megatron-serve-lifeline", daemon=True).start()
+    return fd
 
 
 def _watch(fd: int) -> None:

@@ -12,6 +12,10 @@ never block them, and a child that dies during start-up is reported with the tai
 fleet has a secret (``token``; a fresh one when none is given) that every child gets in its
 environment, never on a command line; ``insecure=True`` starts it without one (benchmarks only).
 
+Its engine and rendezvous-store processes are forked from a launcher process that imported torch once
+(``engine_start="fork"``, the default on Linux: :mod:`megatron_serve.commands.launcher`), or each started as a fresh
+interpreter (``"exec"``); the coordinator is always a fresh one.
+
 No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.fleet.lifeline`); once
 :meth:`LocalFleet.supervise` is called, a child that dies is restarted with back-off
 (:mod:`megatron_serve.fleet.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
@@ -42,6 +46,7 @@ from typing import Any
 from ..config import InferenceConfig
 from .argv import disaggregated_roles, inference_config_to_argv, kv_role_argv
 from .coordinator_watch import COORDINATOR_LIVENESS_TIMEOUT, CoordinatorWatch
+from .launcher_client import DEFAULT_ENGINE_START, ENGINE_STARTS, ChildProcess, Launcher
 from .lifeline import Lifeline
 from ..wire.security import TOKEN_ENV, make_secret
 from .supervisor import Child, Gang, Supervisor, exit_cause, log_tail
@@ -120,6 +125,16 @@ def make_run_dir() -> tuple[Path, int]:
     return path, fd
 
 
+def fleet_directory(log_dir: str | os.PathLike | None) -> tuple[Path, int | None]:
+    """Where a fleet's logs go, and the lock it holds on its own directory (made by :func:`make_run_dir`) when no
+    ``log_dir`` is given (None: a given directory, made if need be, and kept)."""
+    if log_dir is None:
+        return make_run_dir()
+    path = Path(log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path, None
+
+
 def remove_stale_run_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     """Remove this user's fleet directories under ``root`` (default: the temporary directory) whose fleet is
     gone; returns them. A directory without a lock file (being created, or not a fleet's) is left alone."""
@@ -174,6 +189,7 @@ class LocalFleet:
         prefill_engines: int = 0,
         decode_engines: int = 0,
         data_parallel_size: int = 1,
+        engine_start: str = DEFAULT_ENGINE_START,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
@@ -185,9 +201,12 @@ class LocalFleet:
         each of the ``num_engines`` groups is that many data-parallel attention ranks sharing the experts
         (``inference_config.enable_expert_parallel``), an engine process each; ``num_engines`` is then the
         fleet's engine processes, ``groups`` its groups. ``session_ttl``: the coordinator's ``--session-affinity-ttl``
-        (default: its own)."""
+        (default: its own). ``engine_start``: ``fork`` (engines and rendezvous stores forked from the fleet's launcher)
+        or ``exec`` (each a fresh interpreter; so is every child of a fleet of another ``python`` than this one's)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if engine_start not in ENGINE_STARTS:
+            raise ValueError(f"engine_start must be one of {', '.join(ENGINE_STARTS)}, got {engine_start!r}")
         check_data_parallel(data_parallel_size, inference_config, prefill_engines or decode_engines)
         self.kv_roles = disaggregated_roles(num_engines, prefill_engines, decode_engines)
         self.groups = len(self.kv_roles)
@@ -218,29 +237,31 @@ class LocalFleet:
         self.budget_args = ["--max-request-logprobs", str(max_request_logprobs)] if max_request_logprobs else []
         if session_ttl is not None:
             self.budget_args += ["--session-affinity-ttl", str(session_ttl)]
-        self._lock_fd: int | None = None
-        if log_dir is None:
-            self.log_dir, self._lock_fd = make_run_dir()
-        else:
-            self.log_dir = Path(log_dir)
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir, self._lock_fd = fleet_directory(log_dir)
         self._coordinator: Child | None = None
         self._engines: list[Child] = []
         self._gangs: dict[int, Gang] = {}  # engine group -> its gang (data_parallel_size > 1)
         self._stores: list[Child] = []  # the elastic gangs' rendezvous stores, each a process of its own
         self.address: str | None = None
         self._lifeline = Lifeline()
-        self._supervisor = Supervisor(self._lifeline)
+        self._supervisor = Supervisor(self._lifeline, launcher=self._launcher(engine_start))
         self._ended = False
         atexit.register(self.kill)  # unregistered once the fleet ended (_release)
 
+    def _launcher(self, engine_start: str) -> Launcher | None:
+        """What forks its engines and rendezvous stores: a launcher of this interpreter, for ``fork`` where the fleet
+        runs this one (its ``python``), else None (each is exec'd)."""
+        if engine_start != "fork" or self.python != sys.executable:
+            return None
+        return Launcher(self._lifeline, self.log_dir / "launcher.log")
+
     @property
-    def coordinator(self) -> subprocess.Popen | None:
+    def coordinator(self) -> ChildProcess | None:
         """The coordinator's current process."""
         return self._coordinator.proc if self._coordinator is not None else None
 
     @property
-    def engines(self) -> list[subprocess.Popen]:
+    def engines(self) -> list[ChildProcess]:
         """Each engine's current process, in the order they were added."""
         return [child.proc for child in self._engines if child.proc is not None]
 
@@ -269,6 +290,7 @@ class LocalFleet:
         self._coordinator = Child("coordinator", self._coordinator_argv(self.port, address_file),
                                   self.log_dir / "coordinator.log", self._env())
         self._supervisor.start_child(self._coordinator)
+        self._supervisor.start_launcher(self._env())  # its torch import runs while the coordinator starts
         deadline = time.monotonic() + timeout
         while not address_file.exists():
             self.check_alive()
@@ -296,7 +318,7 @@ class LocalFleet:
                               "--address-file", str(address_file), *self.tokenizer_args, *self.budget_args,
                               *([] if self.token else ["--insecure"])])
 
-    def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+    def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> ChildProcess:
         """Start one more engine process (used by ``start()``, and by tests that replace engines);
         ``extra``: its flags instead of the fleet's ``engine_args``."""
         if self.address is None:
@@ -310,11 +332,11 @@ class LocalFleet:
         gpus = self.gpus[slot % len(self.gpus)] if self.gpus else None
         index = len(self._engines)
         name = f"engine {index}" + (f" (group {group})" if group is not None else "")
-        child = Child(name, self._command(args), self.log_dir / f"engine-{index}.log", self._env(gpus))
+        child = Child(name, self._command(args), self.log_dir / f"engine-{index}.log", self._env(gpus), fork=True)
         self._engines.append(child)
         return self._supervisor.start_child(child)
 
-    def add_gang(self, group: int) -> list[subprocess.Popen]:
+    def add_gang(self, group: int) -> list[ChildProcess]:
         """Start the ``data_parallel_size`` engine processes of group ``group``, one per attention rank, at a
         rendezvous port of their own (a fresh one at each restart of the gang). An elastic expert group's ranks meet
         in a ``rendezvous-store`` process of their own (bound where rank 0's store would be, given no secret), so
@@ -331,7 +353,7 @@ class LocalFleet:
                     "--data-parallel-rank", str(rank), "--group", str(group)]
             members.append(Child(f"engine {len(self._engines)} (group {group}, data-parallel rank {rank})",
                                  self._command(args), self.log_dir / f"engine-{len(self._engines)}.log",
-                                 self._env(gpus)))
+                                 self._env(gpus), fork=True))
             self._engines.append(members[-1])
 
         config = dataclasses.replace(self.inference_config or InferenceConfig(), data_parallel_size=size)
@@ -340,7 +362,7 @@ class LocalFleet:
             env = dict(os.environ)
             env.pop(TOKEN_ENV, None)
             log = self.log_dir / f"rendezvous-store-{group}.log"
-            store = Child(f"rendezvous store (group {group})", [], log, env)
+            store = Child(f"rendezvous store (group {group})", [], log, env, fork=True)
             self._stores.append(store)
             for child in members:  # rank 0 connects to it as the others do
                 child.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -410,7 +432,7 @@ class LocalFleet:
         self._release()
 
     @staticmethod
-    def _end(proc: subprocess.Popen, deadline: float, wait_first: bool) -> None:
+    def _end(proc: ChildProcess, deadline: float, wait_first: bool) -> None:
         if proc.poll() is not None:
             return
         if wait_first:

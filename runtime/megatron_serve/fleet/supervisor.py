@@ -27,6 +27,13 @@ reads the size in the coordinator's STATUS): then it starts again and joins, as 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
 (:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
 thread may end long before the fleet does.
+
+A child marked :attr:`Child.fork` (an engine, a rendezvous store: the processes that import torch) is forked by the
+fleet's launcher (:mod:`megatron_serve.commands.launcher`, started here on the supervisor's thread when the first such child starts, and
+again after it died), else, or where the launcher refuses it, exec'd. The deaths: the fleet's process dies -> the
+launcher and every child die (each one's parent-death signal and lifeline); the launcher dies -> the children it forked
+die with it (their parent-death signal follows it) and are restarted here as any dead child, through a fresh
+launcher; a forked child dies -> restarted through the launcher, a fork instead of a fresh interpreter's imports.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .launcher_client import ChildProcess, Launcher, Refused
 from .lifeline import Lifeline
 
 logger = logging.getLogger("megatron_serve.local_fleet")
@@ -57,7 +65,8 @@ class Child:
     log: Path | None  # None: the parent's standard output and error
     env: dict[str, str]
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits besides the lifeline (an API server's listening socket)
-    proc: subprocess.Popen | None = None
+    proc: ChildProcess | None = None
+    fork: bool = False  # forked by the fleet's launcher where it can (it imports torch), else exec'd
     started: float = 0.0
     delay: float = 0.0  # the back-off before its next restart
     restart_at: float | None = None  # when it is due to start again (it died)
@@ -107,9 +116,11 @@ def log_tail(path: Path, lines: int) -> str | None:
 class Supervisor:
     """Starts children on its thread (:meth:`start_child`); restarts dead ones once :meth:`restart_dead` is on."""
 
-    def __init__(self, lifeline: Lifeline, *, initial: float = 0.5, maximum: float = 30.0, stable: float = 60.0,
-                 poll: float = 0.1) -> None:
+    def __init__(self, lifeline: Lifeline, *, launcher: Launcher | None = None, initial: float = 0.5,
+                 maximum: float = 30.0, stable: float = 60.0, poll: float = 0.1) -> None:
+        """``launcher``: what forks the children marked :attr:`Child.fork` (None: every child is exec'd)."""
         self.lifeline = lifeline
+        self.launcher = launcher
         self.initial, self.maximum, self.stable, self.poll = initial, maximum, stable, poll
         self.children: list[Child] = []
         self.gangs: list[Gang] = []
@@ -129,13 +140,19 @@ class Supervisor:
         self._calls.put((fn, args, future))
         return future.result()
 
-    def start_child(self, child: Child) -> subprocess.Popen:
+    def start_child(self, child: Child) -> ChildProcess:
         """Start ``child`` (on the supervisor's thread) and watch it from now on."""
         return self.call(self._start, child)
 
-    def start_gang(self, gang: Gang) -> list[subprocess.Popen]:
+    def start_gang(self, gang: Gang) -> list[ChildProcess]:
         """Start every member of ``gang`` (after its ``renew``) and watch them as one from now on."""
         return self.call(self._start_gang, gang)
+
+    def start_launcher(self, env: dict[str, str]) -> None:
+        """Start the launcher (if any) now, on this thread, with the environment ``env``, ahead of the first child it
+        forks."""
+        if self.launcher is not None:
+            self.call(self.launcher.start, env)
 
     def want_ranks(self, gang: Gang, size: int, read_at: float) -> None:
         """``gang``'s elastic group is wanted at ``size`` ranks, as read (asked for) at ``read_at`` (monotonic):
@@ -147,12 +164,14 @@ class Supervisor:
         self.call(setattr, self, "restarting", on)
 
     def close(self) -> None:
-        """Stop the thread (children are left as they are: end them first)."""
+        """Stop the thread and the launcher (children are left as they are: end them first)."""
         if not self._closed:
             self.restart_dead(False)
             self._closed = True
             self._calls.put((lambda: None, (), concurrent.futures.Future()))
             self._thread.join(10)
+            if self.launcher is not None:
+                self.launcher.close()
 
     # ------------------------------------------------------------------ the thread
 
@@ -171,22 +190,36 @@ class Supervisor:
             if self.restarting:
                 self._check(time.monotonic())
 
-    def _start(self, child: Child) -> subprocess.Popen:
-        log = open(child.log, "ab") if child.log is not None else None
-        try:
-            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT if log is not None else None,
-                                          env={**child.env, **self.lifeline.env()}, start_new_session=True,
-                                          pass_fds=(*self.lifeline.pass_fds(), *child.pass_fds))
-        finally:
-            if log is not None:
-                log.close()
+    def _start(self, child: Child) -> ChildProcess:
+        child.proc = self._fork(child) if child.fork and self.launcher is not None else None
+        if child.proc is None:
+            child.proc = self._exec(child)
         child.started, child.restart_at = time.monotonic(), None
         if child not in self.children:
             self.children.append(child)
         return child.proc
 
-    def _start_gang(self, gang: Gang) -> list[subprocess.Popen]:
+    def _fork(self, child: Child) -> ChildProcess | None:
+        """``child`` forked by the launcher, or None where it refuses (said in the log: it is exec'd)."""
+        assert self.launcher is not None
+        try:
+            return self.launcher.spawn(child.argv, child.env, child.log, child.pass_fds)
+        except Refused as why:
+            logger.warning("%s: the launcher cannot fork it (%s): starting it as a fresh process", child.name, why)
+            return None
+
+    def _exec(self, child: Child) -> subprocess.Popen:
+        log = open(child.log, "ab") if child.log is not None else None
+        try:
+            return subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT if log is not None else None,
+                                    env={**child.env, **self.lifeline.env()}, start_new_session=True,
+                                    pass_fds=(*self.lifeline.pass_fds(), *child.pass_fds))
+        finally:
+            if log is not None:
+                log.close()
+
+    def _start_gang(self, gang: Gang) -> list[ChildProcess]:
         gang.renew()
         if gang.store is not None:  # a fresh store: the old one holds the old group's records
             end_process_group(gang.store.proc)
@@ -302,7 +335,7 @@ class Supervisor:
         return serving and (gang.store is not None or gang.members[0] not in dead)
 
 
-def end_process_group(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
+def end_process_group(proc: ChildProcess | None, timeout: float = 30.0) -> None:
     """SIGKILL ``proc``'s process group (a child started in a session of its own: it and the worker processes it
     spawned) and wait until no process of it runs, up to ``timeout`` seconds."""
     if proc is None:
