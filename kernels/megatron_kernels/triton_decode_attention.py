@@ -73,14 +73,10 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = attend(
-        acc, l_i, m_i, q, 0, start, end, qk_scale, d, d_mask, kv_head,
-        block_tables_ptr, seq, stride_bt,
-        k_cache_ptr, stride_kb, stride_ko, stride_kh,
-        v_cache_ptr, stride_vb, stride_vo, stride_vh,
-        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
-        BLOCK_SIZE, BLOCK_N, True, False, FP32_DOT, KV_FP8,
-    )
+    cache = (k_cache_ptr, stride_kb, stride_ko, stride_kh, v_cache_ptr, stride_vb, stride_vo, stride_vh,
+             k_scale_ptr, v_scale_ptr, stride_sb, stride_so)
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, 0, start, end, qk_scale, d, d_mask, kv_head, block_tables_ptr, seq,
+                           stride_bt, cache, BLOCK_SIZE, BLOCK_N, True, False, FP32_DOT, KV_FP8)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]

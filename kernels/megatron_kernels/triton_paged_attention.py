@@ -22,10 +22,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def attend(
     acc, l_i, m_i, q, q_pos, lo, hi, qk_scale, d, d_mask, kv_head,
-    block_tables_ptr, seq, stride_bt,
-    k_cache_ptr, stride_kb, stride_ko, stride_kh,
-    v_cache_ptr, stride_vb, stride_vo, stride_vh,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
+    block_tables_ptr, seq, stride_bt, cache,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_END: tl.constexpr,
@@ -39,7 +36,13 @@ def attend(
     The masks are compile-time choices, so a tile that needs none costs none: ``MASK_END`` hides the keys
     at or past ``hi`` (a range that does not end on a tile), ``CAUSAL`` those too and every key after
     its row's query position ``q_pos``. Each row must see a key in the first tile it reads (its
-    running maximum stays finite)."""
+    running maximum stays finite).
+
+    ``cache``: the kernel's cache arguments as one tuple, ``(k_cache_ptr, stride_kb, stride_ko, stride_kh,
+    v_cache_ptr, stride_vb, stride_vo, stride_vh, k_scale_ptr, v_scale_ptr, stride_sb, stride_so)`` (the
+    caches' block, slot and head strides, the FP8 scales' block and slot strides)."""
+    (k_cache_ptr, stride_kb, stride_ko, stride_kh, v_cache_ptr, stride_vb, stride_vo, stride_vh,
+     k_scale_ptr, v_scale_ptr, stride_sb, stride_so) = cache
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh

@@ -89,22 +89,12 @@ def _prefill_kernel(
     # Keys at or before the tile's first query are visible to every row: no causal mask there.
     full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     kv_hi = tl.minimum(context_len, first_pos + BLOCK_Q)
-    acc, l_i, m_i = attend(
-        acc, l_i, m_i, q, q_pos, 0, full_hi, qk_scale, d, d_mask, kv_head,
-        block_tables_ptr, seq, stride_bt,
-        k_cache_ptr, stride_kb, stride_ko, stride_kh,
-        v_cache_ptr, stride_vb, stride_vo, stride_vh,
-        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
-        BLOCK_SIZE, BLOCK_N, False, False, FP32_DOT, KV_FP8,
-    )
-    acc, l_i, m_i = attend(
-        acc, l_i, m_i, q, q_pos, full_hi, kv_hi, qk_scale, d, d_mask, kv_head,
-        block_tables_ptr, seq, stride_bt,
-        k_cache_ptr, stride_kb, stride_ko, stride_kh,
-        v_cache_ptr, stride_vb, stride_vo, stride_vh,
-        k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
-        BLOCK_SIZE, BLOCK_N, False, True, FP32_DOT, KV_FP8,
-    )
+    cache = (k_cache_ptr, stride_kb, stride_ko, stride_kh, v_cache_ptr, stride_vb, stride_vo, stride_vh,
+             k_scale_ptr, v_scale_ptr, stride_sb, stride_so)
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, q_pos, 0, full_hi, qk_scale, d, d_mask, kv_head, block_tables_ptr, seq,
+                           stride_bt, cache, BLOCK_SIZE, BLOCK_N, False, False, FP32_DOT, KV_FP8)
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, q_pos, full_hi, kv_hi, qk_scale, d, d_mask, kv_head, block_tables_ptr,
+                           seq, stride_bt, cache, BLOCK_SIZE, BLOCK_N, False, True, FP32_DOT, KV_FP8)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
