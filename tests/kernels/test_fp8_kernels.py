@@ -163,6 +163,23 @@ def test_attention_refuses_an_fp8_cache_without_both_scales():
                                    tables, lens, 0.125)
 
 
+def test_a_gpu_without_e4m3_attends_over_an_fp8_cache_through_the_reference_into_out(monkeypatch):
+    """Before Ada, Triton has no e4m3 and the attention ops hand an FP8 cache to the reference: into the caller's
+    ``out`` (the engine reads the rows it passed, never the returned tensor). Here no GPU is needed: the ops are
+    told the device lacks e4m3, and ``out`` starts as NaN."""
+    from megatron_kernels import triton_decode_attention, triton_prefill_attention
+
+    for module in (triton_decode_attention, triton_prefill_attention):
+        monkeypatch.setattr(module, "fp8_native", lambda device: False)
+    cache, tables, lens = _fp8_paged_setup((5, 40), 1, 64, 16, seed=30)
+    q = _randn(2, 2, 64, seed=31)
+    starts = torch.arange(3, dtype=torch.int32).to(DEVICE)  # as prefill: one query row each, the last of its context
+    for op, args in ((tri.paged_attention_decode, (lens,)), (tri.paged_attention_prefill, (starts, lens))):
+        out = torch.full_like(q, float("nan"))
+        assert op(q, cache, tables, *args, 0.125, out=out) is out, op.__module__
+        assert torch.equal(out, getattr(reference, op.__name__)(q, cache, tables, *args, 0.125)), op.__module__
+
+
 # ----------------------------------------------------------------------------------------------- GEMMs
 
 
