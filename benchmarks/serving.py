@@ -337,15 +337,21 @@ def _stat(pid: int) -> list[str]:
 
 
 def stack_processes(run_pid: int) -> list[tuple[int, str]]:
-    """The started stack's child processes and their roles: ``engines``, ``server`` (sibling API servers of
-    ``--api-server-count``) or ``coordinator``."""
-    found = []
+    """The started stack's child processes and their roles: ``engines`` (forked by the run's launcher, or its own
+    children), ``server`` (sibling API servers of ``--api-server-count``) or ``coordinator``."""
+    processes = {}  # pid -> (parent, command line)
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            if int(_stat(pid)[1]) != run_pid:
-                continue
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
+            # `... cli engine --coordinator ...`: NUL-separated, or a forked engine's title, one string
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").split(b" ")
+            processes[pid] = (int(_stat(pid)[1]), argv)
         except OSError:  # gone meanwhile
+            continue
+    parents = {run_pid} | {pid for pid, (parent, argv) in processes.items()
+                           if parent == run_pid and b"megatron_serve.commands.launcher" in argv}
+    found = []
+    for pid, (parent, argv) in processes.items():
+        if parent not in parents or pid in parents:
             continue
         server = (b"megatron_serve.commands.api_sibling", b"megatron_serve.server.probe_process")
         role = ("engines" if b"engine" in argv else "server" if any(m in argv for m in server) else "coordinator")

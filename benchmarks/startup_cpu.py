@@ -31,7 +31,8 @@ from typing import Iterator
 from megatron_serve.fleet.supervisor import stop_process_group
 
 #: The kinds of process, by a piece of their command line, first match wins (the run process is the parent).
-KINDS = (("engine", "megatron_serve.cli engine"), ("coordinator", "megatron_serve.cli coordinator"),
+KINDS = (("engine", "megatron_serve.cli engine"), ("launcher", "megatron_serve.commands.launcher"),
+         ("coordinator", "megatron_serve.cli coordinator"),
          ("probe", "megatron_serve.server.probe_process"), ("janitor", "megatron_serve.commands.run_janitor"))
 TICKS = os.sysconf("SC_CLK_TCK")
 
