@@ -2,8 +2,8 @@
 fleet's ``engine`` and ``rendezvous-store`` processes from there (``python -m megatron_serve.commands.launcher
 --socket FD``; the fleet's end: :mod:`megatron_serve.fleet.launcher_client`).
 
-Why: nearly all of an engine process's start is ``import torch`` (1.46 CPU-s of its way to serving, measured), paid
-again by every engine, every rank of a gang, every rendezvous store and every restart. Forked from a process that
+Why: nearly all of an engine process's CPU on its way to serving is ``import torch``, paid again by every engine,
+every rank of a gang, every rendezvous store and every restart. Forked from a process that
 paid it once, a child starts where an exec'd one would be after its imports (a zygote, as multiprocessing's fork
 server and Android's zygote do). The coordinator, the API servers and the janitor import no torch and are still
 exec'd. Figures: docs/design-measurements.md.
@@ -11,9 +11,9 @@ exec'd. Figures: docs/design-measurements.md.
 A fork is as safe as an exec only from a process in which nothing but imports ran: this one stays single-threaded
 (no thread of any kind, native ones included: a lock another thread held would stay held in the child for good),
 never initializes CUDA, configures no logging and changes no signal disposition; it checks the first two before each
-fork and refuses otherwise, and the fleet then execs the child as before. A child whose
-environment differs from the launcher's in a variable other than :data:`LATE_READ` is refused too: torch, OpenMP and
-the interpreter read those at import, so a fork would run the child with the launcher's values.
+fork and refuses otherwise, and the fleet then execs the child as before. A child whose environment differs from the
+launcher's in a variable other than :data:`~megatron_serve.fleet.launcher_client.LATE_READ` is refused too: torch,
+OpenMP and the interpreter read those at import, so a fork would run the child with the launcher's values.
 
 The child becomes what an exec would have made (:func:`become`): a session of its own, the interpreter's signal
 dispositions and an empty signal mask, stdin ``/dev/null``, stdout and stderr to its log, exactly the descriptors it
