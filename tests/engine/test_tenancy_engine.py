@@ -27,7 +27,9 @@ def test_a_critical_requests_first_token_leaves_with_the_step_that_takes_a_slot_
         tiny_llama, async_scheduling, tagged, policy, speculative):
     """``tagged`` False: the same requests without tenants, the last with priority -5, which waits for a slot under
     the default policy (the control) and preempts as a better class does under vLLM's ``priority`` policy.
-    ``speculative``: n-gram speculation on, so that the step read at once may be a verify step."""
+    ``speculative``: n-gram speculation on, so that the step read at once may be a verify step. The step that
+    displaces computes the critical request alone: the call that reads it gives the others only the tokens of the step
+    in flight before it (none without overlap)."""
     preempts = tagged or policy == "priority"
     prompts = PROMPTS[:4] + [PROMPTS[4 % len(PROMPTS)] + " now"]
     reference = [o.generated_tokens for o in MegatronLLM(tiny_llama).generate(prompts, GREEDY)]
@@ -42,11 +44,12 @@ def test_a_critical_requests_first_token_leaves_with_the_step_that_takes_a_slot_
                 for i, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
 
-    def step() -> None:
+    def step() -> dict[str, int]:
         outputs = engine.step()
         assert len({out.request_id for out in outputs}) == len(outputs)  # one delta per request (an engine process's)
         for out in outputs:
             tokens[out.request_id] += out.new_tokens
+        return {out.request_id: len(out.new_tokens) for out in outputs}
 
     for request in requests[:4]:
         engine.add_request(request)
@@ -56,9 +59,11 @@ def test_a_critical_requests_first_token_leaves_with_the_step_that_takes_a_slot_
     engine.add_request(requests[4])
     steps = 0
     while not tokens["r4"]:
-        step()
+        given = step()
         steps += 1
     assert steps == 1 if preempts else steps > 10  # overlapped, the displacing step is read in its own call
+    if preempts and not speculative:  # the displacing step computed r4 alone: the others' tokens are the step before's
+        assert given == {"r4": 1, **({f"r{i}": 1 for i in range(4)} if async_scheduling else {})}
     while engine.has_unfinished_requests():
         step()
     assert [tokens[r.request_id] for r in requests] == reference
