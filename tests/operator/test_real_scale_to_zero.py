@@ -281,7 +281,9 @@ def test_without_scale_from_zero_a_fleet_at_zero_leaves_its_service_and_asks_for
         assert not [a for a in serving.args if a.startswith("--scale-from-zero")], serving.args
         serving.wait(lambda: serving.kubelet.serving(1), 300, "one engine group serving")
         serving.ask()
-        assert serving.probe() == 200
+        # the server's /ready follows its own poll of the coordinator, which may not have seen the engine yet (the
+        # answer above waited at the coordinator): probed until 200, as the kubelet probes every period
+        serving.wait(lambda: serving.probe() == 200, 30, "the server's /ready 200 with the engine registered")
         serving.wait(lambda: serving.routable() is True, 60, "the Service's endpoint ready")
 
         serving.scale(0)
