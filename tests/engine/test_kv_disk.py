@@ -2,9 +2,10 @@
 
 The files themselves first (no model): a block comes back bitwise, a short or corrupt file is never served, an
 epoch finds only its own files, the size bound removes the least recently used across processes, and the KV events
-say medium DISK. Then engines of a tiny model on one directory: B, a process of its own, hits the blocks engine A
-(of the test process) wrote with == log probs; engines in the test process (files are what engines share) find a
-truncated file recomputed and, refitted, none of the old files.
+say medium STORAGE (vLLM's name), also for a block the other tiers forgot before its write landed. Then engines of a
+tiny model on one directory: B, a process of its own, hits the blocks engine A (of the test process) wrote with ==
+log probs; engines in the test process (files are what engines share) find a truncated file recomputed and,
+refitted, none of the old files.
 """
 
 from __future__ import annotations
@@ -213,6 +214,24 @@ def test_the_kv_events_say_disk_for_what_the_tier_stores_and_removes(tmp_path):
     removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK for h in e.block_hashes]
     assert stored == [1, 2, 3] and removed == [1, 2]  # the third write went over the bound: trimmed to 90%
     assert log.holds(MEDIUM_DISK) == [3]
+
+
+def test_a_block_the_other_tiers_forgot_before_its_write_landed_is_still_announced(tmp_path):
+    """A spill is written on the writer thread; by the announce the host tier may have reused the block's slot and no
+    other tier hold it: the origin the write carries says what the file holds."""
+    log = KVEventLog(block_size=16)
+    batches = []
+    log.attach(lambda seq, payload: batches.append(decode_batch(payload)), snapshot=False)
+    disk = tier(tmp_path, events=log)
+    origin = BlockOrigin(None, tuple(range(16)), (1, "adapter"))
+    log.stored(MEDIUM_HOST, 7, origin)
+    disk.write(7, slot(7), origin)  # as a spill writes it: with what the log knew of it then
+    log.removed(MEDIUM_HOST, [7])  # its host slot reused before the announce: the log forgot it
+    disk.announce()
+    log.flush()
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK]
+    assert [(e.block_hashes, e.token_ids, e.lora_name) for e in stored] == [([7], list(range(16)), "adapter")]
+    assert log.holds(MEDIUM_DISK) == [7]
 
 
 def test_an_idle_engine_hands_out_the_disk_tiers_stored_events(tmp_path):

@@ -175,7 +175,7 @@ class DiskKVTier:
         size = HEADER.size + len(meta) + length
         self.written += 1
         self.bytes_written += size
-        self._notice(True, [block_hash])
+        self._notice(True, [block_hash], origin)  # the other tiers may have forgotten it by the announce
         self._account(size)
         return True
 
