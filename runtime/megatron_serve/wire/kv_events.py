@@ -1,17 +1,22 @@
 """KV events in vLLM's format: which blocks an engine's KV tiers hold, as they change (``--kv-events-config``).
 
 An engine says, step by step, which complete blocks it stored and removed, in which medium (``GPU``: its
-device pool, ``CPU``: the host tier, ``DISK``: the node's disk tier), and when it forgot them all (a refit, a
-reset, a restart). A gateway's indexer (llm-d's kv-cache-manager, Dynamo's KV router) or the coordinator's own
-index (:mod:`megatron_serve.coordinator.kv_index`) keeps from them a map of which engine holds which prefix.
+device pool, ``CPU``: the host tier, ``STORAGE``: the node's disk tier, vLLM's name for its offloading connector's
+file tier), and when it forgot them all (a refit, a reset, a restart). A gateway's indexer (llm-d's
+kv-cache-manager, Dynamo's KV router) or the coordinator's own index (:mod:`megatron_serve.coordinator.kv_index`)
+keeps from them a map of which engine holds which prefix.
 
-The layout is vLLM's as its documentation's subscriber decodes it: a batch is ``[ts, events,
-data_parallel_rank]`` and each event an array whose first item is its type's name (msgspec's ``array_like``
-structs with ``tag=True``); ``BlockStored`` carries vLLM's fields in vLLM's order, so a subscriber written
-for an older vLLM (without ``lora_name``) reads ours too (msgspec ignores trailing items). A batch travels
-over ZeroMQ as vLLM's publisher sends it: ``[topic, seq (8 bytes, big-endian), payload]`` on a PUB socket,
-and a ROUTER answers a replay request (the first missed ``seq``, 8 bytes big-endian) with every buffered
-batch from there, ``[seq, payload]`` each, then ``[-1, b""]``.
+The encoding is vLLM 0.33's (``vllm/distributed/kv_events.py``), so a subscriber that decodes with vLLM's own
+structs reads ours: a batch is the array ``[ts, events, data_parallel_rank]`` and each event a map of its fields
+with its type's name under ``"type"`` (msgspec's ``tag=True`` without ``array_like``; the positional events of
+vLLM's older documented subscriber are gone from vLLM, and llm-d's indexer reads the maps). ``BlockStored``
+carries vLLM's required fields, ``lora_name`` among them (``None`` for the base model), and ``group_idx`` (0: an
+engine's one KV cache group). The structs declare every field of vLLM's, in its order, though this engine never
+sets the optional rest (``extra_keys``, ``locality``...: left out of the map when unset, as vLLM leaves them):
+msgspec sizes a map's header by the fields a struct declares, so only the same declaration gives vLLM's bytes.
+A batch travels over ZeroMQ as vLLM's publisher sends it: ``[topic, seq (8 bytes, big-endian), payload]`` on a PUB
+socket, and a ROUTER answers a replay request (the first missed ``seq``, 8 bytes big-endian) with every buffered
+batch from there, ``[topic, seq, payload]`` each, then ``[b"", -1, b""]``.
 
 Block hashes are this project's chained hashes (:mod:`megatron_serve.wire.prefix_hash`), unsigned 64-bit:
 a chain starts from the request's cache salt, its LoRA adapter's registration and the weights' epoch, so a
@@ -26,22 +31,25 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-#: ``medium`` of a block in each tier (vLLM says ``GPU`` for the device pool and ``CPU`` for host memory).
+#: ``medium`` of a block in each tier: vLLM's ``MEDIUM_GPU``, ``MEDIUM_CPU`` and ``MEDIUM_STORAGE`` (its file tier's).
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
-MEDIUM_DISK = "DISK"
+MEDIUM_DISK = "STORAGE"
 MEDIA = (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK)
 
 #: vLLM's ``--kv-offloading-backend`` values served here: ``native`` (the host tier alone, vLLM's default) and ``disk``
 #: (the host tier spills to files shared by a node's engines: ``engine.kv.disk``).
 KV_OFFLOADING_BACKENDS = ("native", "disk")
 
-#: The replay socket's end-of-replay marker (a seq of -1 with an empty payload).
+#: The replay socket's end-of-replay marker (a seq of -1 with an empty topic and payload).
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
+#: ``group_idx`` of every event: an engine's pool is one KV cache group (vLLM numbers its groups from 0).
+KV_CACHE_GROUP = 0
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events (the tag is the class name)."""
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events: each encodes as a map, the class name under ``"type"``."""
 
 
 class BlockStored(KVCacheEvent):
@@ -54,12 +62,23 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
-from ...wire.kv_events import (END_OF_REPLAY, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored,
+from ...wire.kv_events import (END_OF_REPLAY, KV_CACHE_GROUP, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored,
                                KVEvent, KVEventBatch, KVEventsConfig, encode_batch)
 
 logger = logging.getLogger("megatron_serve.engine")
@@ -41,7 +41,8 @@ class BlockOrigin(NamedTuple):
 class KVEventLog:
     """What an engine's KV tiers hold, and the events saying so (see the module docstring)."""
 
-    def __init__(self, block_size: int, data_parallel_rank: int | None = None) -> None:
+    def __init__(self, block_size: int, data_parallel_rank: int = 0) -> None:
+        """``data_parallel_rank``: stamped on every batch, 0 without data parallelism (as vLLM's publisher does)."""
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.sinks: list[Sink] = []
@@ -85,8 +86,8 @@ class KVEventLog:
             last.token_ids.extend(origin.tokens)
             return
         events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=origin.parent,
-                                         token_ids=list(origin.tokens), block_size=self.block_size,
-                                         lora_id=lora_id, medium=medium, lora_name=lora_name))
+                                  token_ids=list(origin.tokens), block_size=self.block_size, lora_id=lora_id,
+                                  medium=medium, lora_name=lora_name, group_idx=KV_CACHE_GROUP))
 
     def removed(self, medium: str, hashes: list[int]) -> None:
         gone = []
@@ -103,7 +104,7 @@ class KVEventLog:
             if isinstance(last, BlockRemoved) and last.medium == medium:
                 last.block_hashes.extend(gone)
             else:
-                self._pending.append(BlockRemoved(block_hashes=gone, medium=medium))
+                self._pending.append(BlockRemoved(block_hashes=gone, medium=medium, group_idx=KV_CACHE_GROUP))
 
     def cleared(self) -> None:
         """Every medium forgot every block (a refit, a reset)."""
@@ -229,7 +230,8 @@ class ZmqPublisher:
             self._buffer.append(item)
 
     def _answer_replay(self) -> None:
-        """One replay request ``[identity, b"", start]`` (a REQ socket's): every buffered batch from ``start``."""
+        """One replay request ``[identity, b"", start]`` (a REQ socket's): every buffered batch from ``start``, each
+        ``[topic, seq, payload]`` as the PUB socket sent it, then the end marker (vLLM 0.33's frames)."""
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning("KV events: a replay request of %d frames ignored (expected [start seq])", len(frames) - 2)
@@ -238,8 +240,8 @@ class ZmqPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
 
 
 def binds(endpoint: str) -> bool:

@@ -34,7 +34,7 @@ class KVTiers:
         self.pool, self.config = pool, config
         block_size = config.block_size_tokens
         # what the tiers hold, told as vLLM's KV events to the coordinator and, with --kv-events-config, a socket
-        self.events = KVEventLog(block_size, config.data_parallel_rank if config.data_parallel_size > 1 else None)
+        self.events = KVEventLog(block_size, config.data_parallel_rank)
         self.publisher = (ZmqPublisher(config.kv_events_config, config.data_parallel_rank)
                           if config.kv_events_config is not None and config.kv_events_config.publishes else None)
         if self.publisher is not None:
