@@ -51,6 +51,9 @@ def test_up_restart_down_up_keeps_the_data_and_down_stops_everything(tmp_path: p
         for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"):
             assert (folder / f"{name}.log").stat().st_size > 0, name
             assert int((folder / f"{name}.pid").read_text()) in live_pids(folder), name
+        used = dict(line.split() for line in tool("cpu", str(folder)).stdout.splitlines())
+        assert list(used) == ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "total"]
+        assert all(float(seconds) > 0 for seconds in used.values()), used
 
         cluster.kubectl("create", "configmap", "kept", "--from-literal=answer=42")
         restarted = tool("restart", str(folder), "kube-apiserver")
@@ -88,6 +91,7 @@ def test_up_twice_is_refused_naming_what_runs(tmp_path: pathlib.Path):
     (["up", "{file}"], "is not a directory"),
     (["up", "{dir}/cluster", "--apiserver-arg=watch-cache=false"], "--apiserver-arg takes kube-apiserver flags"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["cpu", "{dir}"], "nothing runs in"),
 ])
 def test_bad_input_is_refused_naming_it(tmp_path: pathlib.Path, argv: list[str], message: str):
     file = tmp_path / "a-file"

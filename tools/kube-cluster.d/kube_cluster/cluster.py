@@ -21,6 +21,18 @@ from .api import Api
 # Stopped in this order by `down` (dependents first); names with a pid file but not listed
 # here go first.
 ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "lws-controller")
+# kube-controller-manager's controllers (their names less "-controller") that `up` leaves out: Jobs, CronJobs,
+# DaemonSets, ReplicationControllers, ResourceQuotas, CSRs, DRA claims, volume attach/expand, ephemeral volumes,
+# storage-version upkeep and the node TTL annotation (the fake nodes set it themselves).
+UNUSED_CONTROLLERS = (
+    "cronjob", "job", "ttl-after-finished", "daemonset", "replicationcontroller", "resourcequota",
+    "certificatesigningrequest-approving", "certificatesigningrequest-cleaner", "certificatesigningrequest-signing",
+    "podcertificaterequest-cleaner", "kube-apiserver-serving-clustertrustbundle-publisher",
+    "legacy-serviceaccount-token-cleaner", "endpointslice-mirroring", "ephemeral-volume",
+    "persistentvolume-attach-detach", "persistentvolume-expander", "volumeattributesclass-protection",
+    "resourceclaim", "resourcepoolstatusrequest", "device-taint-eviction", "podgroup-protection",
+    "storage-version-migrator", "storageversion-garbage-collector", "validatingadmissionpolicy-status", "ttl",
+)
 PORTS = ("etcd-client", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok",
          "lws-webhook", "lws-health")
 
@@ -94,6 +106,9 @@ def _apiserver(cache: Path, folder: Path, ports: dict[str, int]) -> list[str]:
         f"--service-account-key-file={p / 'sa.pub'}",
         f"--service-account-signing-key-file={p / 'sa.key'}",
         "--profiling=false",
+        # The plain in-flight limits rather than API Priority and Fairness: its queues, its configuration objects and
+        # their controller cost every request and the idle server CPU, and a test cluster has no tenants to keep fair.
+        "--enable-priority-and-fairness=false",
         # The aggregation layer's front proxy, so that controllers' delegated authentication finds its CA.
         f"--requestheader-client-ca-file={p / 'ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
         "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
@@ -118,9 +133,11 @@ def _controller_manager(cache: Path, folder: Path, ports: dict[str, int], kubeco
         "--use-service-account-credentials=true",
         f"--root-ca-file={p / 'ca.crt'}",
         f"--service-account-private-key-file={p / 'sa.key'}",
-        f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
         f"--service-cluster-ip-range={pki.SERVICE_CIDR}",
-        "--controllers=*",
+        # The default controllers but those that nothing on this cluster uses (no test, no chart, no operator
+        # creates what they manage; nodes and volumes are kwok's and local): each one left out is informers,
+        # workqueues and periodic passes the suite no longer pays for while it runs.
+        "--controllers=" + ",".join(("*", *(f"-{name}-controller" for name in UNUSED_CONTROLLERS))),
         # The HPA controller's pass (and its refresh of which metrics APIs exist) every 5 s, not every 15 s: a test
         # cluster's HPA acts in seconds rather than waiting out a production cadence.
         "--horizontal-pod-autoscaler-sync-period=5s",
@@ -244,6 +261,20 @@ def down(folder: Path) -> None:
     stopped = [n for n in ordered if processes.stop(folder, n)]
     print(f"kube-cluster: stopped {', '.join(stopped) or 'nothing (no live processes)'} in {folder}",
           file=sys.stderr)
+
+
+def cpu(folder: Path) -> None:
+    """Print the CPU seconds each running component has used so far, and their sum: two readings around a test run
+    give the control plane's cost of that run (docs/testing.md has the figures)."""
+    folder = folder.resolve()
+    used = {name: processes.cpu_seconds(folder, name) for name in processes.started_names(folder)} \
+        if folder.is_dir() else {}
+    used = {name: seconds for name, seconds in used.items() if seconds is not None}
+    if not used:
+        raise SystemExit(f"kube-cluster: nothing runs in {folder}")
+    for name in sorted(used, key=lambda n: ORDER.index(n) if n in ORDER else -1):
+        print(f"{name} {used[name]:.2f}")
+    print(f"total {sum(used.values()):.2f}")
 
 
 def restart(folder: Path, name: str) -> None:

@@ -111,6 +111,18 @@ def stop(folder: Path, name: str, grace: float = 15.0, again: float = 3.0) -> bo
     return True
 
 
+def cpu_seconds(folder: Path, name: str) -> float | None:
+    """CPU seconds `name` has used since it started (user and system, /proc/PID/stat), None if it is not running."""
+    pid = running(folder, name)
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
