@@ -77,14 +77,27 @@ class ForkedProcess:
         self.pid = pid
         self.returncode: int | None = None
         self._pidfd = pidfd
+        self._lock = threading.Lock()  # a signal is never sent to a pidfd number closed (and reused) meanwhile
         self._ended = threading.Event()
 
     def _exited(self, returncode: int) -> None:
-        if self.returncode is None:
+        with self._lock:
+            if self.returncode is not None:
+                return
             self.returncode = returncode
             os.close(self._pidfd)
             self._pidfd = -1
-            self._ended.set()
+        self._ended.set()
+
+    def _wait_gone(self) -> None:
+        """Block until the process has ended (its pidfd reads ready), whoever reaps it."""
+        with self._lock:
+            pidfd = os.dup(self._pidfd) if self.returncode is None else -1
+        if pidfd >= 0:
+            try:
+                select.select([pidfd], [], [])
+            finally:
+                os.close(pidfd)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -96,12 +109,12 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        pidfd = self._pidfd
-        if self.returncode is None and pidfd >= 0:
-            try:
-                signal.pidfd_send_signal(pidfd, sig)
-            except ProcessLookupError:  # it exited; the launcher's report is on its way
-                pass
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, sig)
+                except ProcessLookupError:  # it exited; the launcher's report is on its way
+                    pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -266,6 +279,5 @@ class Launcher:
             logger.warning("engine launcher (pid %d) died (%s): its %d child(ren) die with it and are restarted",
                            self.proc.pid if self.proc else -1, self._cause(), len(orphans))
         for process in orphans:  # killed by their parent-death signal: wait until each has
-            if process._pidfd >= 0:
-                select.select([process._pidfd], [], [])
+            process._wait_gone()
             process._exited(-signal.SIGKILL)
