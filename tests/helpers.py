@@ -21,6 +21,8 @@ import zmq
 from filelock import FileLock
 
 from megatron_serve.fleet import local_fleet
+from megatron_serve.fleet.launcher_client import DEFAULT_ENGINE_START, ChildProcess, Launcher, Refused
+from megatron_serve.fleet.lifeline import Lifeline
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, Message, decode, encode
 from megatron_serve.wire.security import TOKEN_ENV, FleetSecret, PeerKeys, make_secret
@@ -188,28 +190,70 @@ async def stream_into(client: InferenceClient, prompt: list[int], params: Sampli
     raise AssertionError("the stream ended without a final request")
 
 
+#: The commands a :class:`Children` forks from its launcher, as ``megatron-serve run``'s local fleet does: the ones that
+#: import torch (the coordinator and servers import none, and an exec of them costs what a fork would).
+FORKED_COMMANDS = frozenset({"engine", "rendezvous-store"})
+
+
 class Children:
     """Every process a test starts; ``kill_all()`` in teardown, whatever happened.
 
     They share one fleet secret (``secret``, in their ``$MEGATRON_SERVE_TOKEN``), as a deployment's
     processes do; ``env`` given to a spawn wins.
+
+    Engines and rendezvous stores are forked from one launcher of this object's (the product's,
+    :mod:`megatron_serve.fleet.launcher_client`), which imports torch once for all of them: most of an engine
+    process's start is that import, and the suite is CPU-bound. Where the launcher refuses a child (an environment
+    that differs from the one it was started with, say) the child is exec'd, as the product's fleet does, and the
+    reason is kept in ``refusals``. ``fork=False``: every child exec'd (a test that reads a child's own parent or
+    ``/proc/PID/environ``, which a forked child has from the launcher).
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, fork: bool = DEFAULT_ENGINE_START == "fork") -> None:
         self.log_dir = Path(log_dir)
-        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.procs: list[tuple[ChildProcess, Path]] = []
         self.secret = make_secret()
+        self.fork = fork
+        self.refusals: list[str] = []
+        self._launcher: Launcher | None = None
+        self._lifeline: Lifeline | None = None
 
-    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def environment(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """A child's environment with ``env``: this process's, with the fleet secret."""
+        return {**os.environ, TOKEN_ENV: self.secret, **(env or {})}
+
+    def start_launcher(self, env: dict[str, str] | None = None) -> None:
+        """Start the launcher now, on this thread, with the environment of children given ``env``: its torch import
+        then overlaps what the test starts meanwhile, and its parent-death signal follows this thread (the first
+        fork would start it on the thread that asks, a helper thread that may end first)."""
+        if self.fork:
+            self._forker().start(self.environment(env))
+
+    def _forker(self) -> Launcher:
+        if self._launcher is None:
+            self._lifeline = Lifeline()
+            self._launcher = Launcher(self._lifeline, self.log_dir / f"launcher-{id(self):x}.log")
+        return self._launcher
+
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> ChildProcess:
         log = self.log_dir / f"{name}-{len(self.procs)}.log"
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen([PY, "-m", "megatron_serve.cli", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL,
-                                    env={**os.environ, TOKEN_ENV: self.secret, **(env or {})})
+        argv = [PY, "-m", "megatron_serve.cli", *args]
+        environment = self.environment(env)
+        proc: ChildProcess | None = None
+        if self.fork and args[:1] and args[0] in FORKED_COMMANDS:
+            log.write_bytes(b"")  # there when this returns, as an exec'd child's is
+            try:
+                proc = self._forker().spawn(argv, environment, log)
+            except Refused as exc:
+                self.refusals.append(f"{name}: {exc}")
+        if proc is None:
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=environment)
         self.procs.append((proc, log))
         return proc
 
-    def log_of(self, proc: subprocess.Popen) -> str:
+    def log_of(self, proc: ChildProcess) -> str:
         for p, log in self.procs:
             if p is proc:
                 return log.read_text(errors="replace")
@@ -231,11 +275,11 @@ class Children:
 
         await until(enough, timeout, f"{count} engine(s) to register", interval=0.1)
 
-    def coordinator(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def coordinator(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> ChildProcess:
         return self.spawn(["coordinator", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
                           "coordinator", env)
 
-    def engine(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def engine(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> ChildProcess:
         return self.spawn(["engine", "--model", model, "--coordinator", f"tcp://127.0.0.1:{port}",
                            "--num-kv-blocks", "64", *extra], "engine", env)
 
@@ -251,17 +295,27 @@ class Children:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self._launcher is not None:  # a later spawn starts a fresh one
+            self._launcher.close()
+            self._launcher = None
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
 
 
 @contextlib.contextmanager
 def process_fleet(log_dir: Path, model: str, engines: list[tuple[str, ...]], coordinator: tuple[str, ...] = (),
-                  env: dict[str, str] | None = None) -> Iterator[SimpleNamespace]:
+                  env: dict[str, str] | None = None, fork: bool = DEFAULT_ENGINE_START == "fork"
+                  ) -> Iterator[SimpleNamespace]:
     """A coordinator of ``model`` (``coordinator``: its extra flags) and one engine per entry of ``engines`` (its extra
     flags), each a process of its own with ``env``, all killed at exit: ``address``, ``port``, ``model``, ``children``
-    (their :class:`Children`, holding the fleet secret), ``coordinator`` and ``engines`` (the processes)."""
-    children = Children(log_dir)
+    (their :class:`Children`, holding the fleet secret), ``coordinator`` and ``engines`` (the processes).
+    ``fork``: as :class:`Children` takes it."""
+    children = Children(log_dir, fork=fork)
     port = free_port()
     try:
+        if engines:
+            children.start_launcher(env)  # its torch import overlaps the coordinator's start
         coordinator_process = children.coordinator(model, port, *coordinator, env=env)
         procs = [children.engine(model, port, *extra, env=env) for extra in engines]
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, model=model, children=children,

@@ -53,6 +53,7 @@ def engines_here(fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path) -> Itera
             env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
             children = Children(tmp_path)
             cleanup.callback(children.kill_all)
+            children.start_launcher(env)  # on this thread, not the kubelet's: its engines are forked from it
             children.coordinator(tiny_model, port, env=env)
             kubelet = Kubelet(fleet, children, tiny_model, port, env, name=name).start()
             cleanup.callback(kubelet.stop)
