@@ -14,13 +14,14 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import msgspec
 import pytest
 import zmq
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.wire.kv_events import BlockStored
 from megatron_serve.wire.prefix_hash import block_hashes
 from tests.helpers import free_port
 
@@ -124,14 +125,10 @@ class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     pass
 
 
-class OldBlockStored(OldEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
+#: The old stored event: ours' first seven fields, positional, with lora_name optional.
+OldBlockStored = msgspec.defstruct(
+    "OldBlockStored", [*((name, get_type_hints(BlockStored)[name]) for name in BlockStored.__struct_fields__[:6]),
+                       ("lora_name", str | None, None)], bases=(OldEvent,), tag="BlockStored")
 
 
 class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True):
