@@ -44,14 +44,15 @@ class EnginesHere:
 
 
 @pytest.fixture
-def engines_here(fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path) -> Iterator[Callable[[int, str], EnginesHere]]:
-    """``start(port, name)``: the coordinator of resource ``name`` (the tiny model on the CPU, the reference kernels)
-    on 127.0.0.1:``port`` with the resource's token, and the kubelet stand-in for the resource's engine pods."""
+def engines_here(fleet: Fleet, tiny_model: str, tmp_path: pathlib.Path) -> Iterator[Callable[..., EnginesHere]]:
+    """``start(port, name, fork=True)``: the coordinator of resource ``name`` (the tiny model on the CPU, the reference
+    kernels) on 127.0.0.1:``port`` with the resource's token, and the kubelet stand-in for the resource's engine pods;
+    ``fork``: its engines forked from a launcher (:class:`~tests.helpers.Children`), or each exec'd."""
     with contextlib.ExitStack() as cleanup:
-        def start(port: int, name: str) -> EnginesHere:
+        def start(port: int, name: str, fork: bool = True) -> EnginesHere:
             token = fleet.coordinator_token(name)
             env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
-            children = Children(tmp_path)
+            children = Children(tmp_path, fork=fork)
             cleanup.callback(children.kill_all)
             children.start_launcher(env)  # on this thread, not the kubelet's: its engines are forked from it
             children.coordinator(tiny_model, port, env=env)
