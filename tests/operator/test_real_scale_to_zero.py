@@ -110,6 +110,11 @@ class Serving:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; {self.kubelet.describe()}") from None
 
+    def up(self) -> bool:
+        """One engine group serves and the server answers ``/ready`` with 200: the server starts beside the engine and
+        may bind its port after the engine registered (a forked engine serves within a second)."""
+        return self.kubelet.serving(1) and self.ready()[0] == 200
+
     def ready(self) -> tuple[int, dict[str, Any]]:
         """``/ready`` on the probe port: what the server pod's readiness probe reads."""
         try:
@@ -225,7 +230,7 @@ def test_a_fleet_scaled_to_zero_holds_the_first_request_until_it_is_scaled_back(
         flag = serving.args.index("--scale-from-zero-timeout")
         assert serving.args[flag:flag + 4] == ["--scale-from-zero-timeout", str(HOLD), "--scale-from-zero-queue",
                                                "1"], serving.args
-        serving.wait(lambda: serving.kubelet.serving(1), 300, "one engine group serving")
+        serving.wait(serving.up, 300, "one engine group serving and the server answering")
         uninterrupted = serving.ask()
 
         serving.scale(0)
@@ -279,7 +284,7 @@ def test_without_scale_from_zero_a_fleet_at_zero_leaves_its_service_and_asks_for
     held there but waits at the coordinator, and the hint never asks for a group: nothing scales the fleet back."""
     with served(fleet, tiny_model, tmp_path, None) as serving:
         assert not [a for a in serving.args if a.startswith("--scale-from-zero")], serving.args
-        serving.wait(lambda: serving.kubelet.serving(1), 300, "one engine group serving")
+        serving.wait(serving.up, 300, "one engine group serving and the server answering")
         serving.ask()
         # the server's /ready follows its own poll of the coordinator, which may not have seen the engine yet (the
         # answer above waited at the coordinator): probed until 200, as the kubelet probes every period
