@@ -194,18 +194,22 @@ class KeptIdsMeter:
         if per_token:
             self.kept += sum(map(len, per_token))
             self.tokens += len(per_token)
+        over_logprobs = self.logprobs + self.kept > self.budget
+        answer_bytes = self.base_bytes + self.kept * KEPT_ID_BYTES
+        if not over_logprobs and (self.max_bytes is None or answer_bytes <= self.max_bytes):
+            return None  # every delta passes here: the message is made only for the one that ends the request
         produced = f"{self.kept:,} top-p token ids in {self.tokens:,} new tokens" + (
             f" of its {self.choices} choices" if self.choices > 1 else "")
         advice = "and was ended. Please set top_k, lower top_p, or reduce max_new_tokens or the number of choices."
-        if self.logprobs + self.kept > self.budget:
+        if over_logprobs:
             self.reason = (f"Top-p token ids and log probs exceed this server's budget of {self.budget:,} per request "
                            f"({self.option}). The request produced {produced} beside {self.logprobs:,} log probs, "
                            f"{advice}")
-        elif self.max_bytes is not None and self.base_bytes + self.kept * KEPT_ID_BYTES > self.max_bytes:
+        else:
             self.reason = (f"The answer with its top-p token ids exceeds this server's budget of {self.max_bytes:,} "
                            f"bytes per answer (--max-response-bytes). The request produced {produced}, about "
-                           f"{self.base_bytes + self.kept * KEPT_ID_BYTES:,} bytes with the rest of its answer "
-                           f"({KEPT_ID_BYTES} per top-p token id), {advice}")
+                           f"{answer_bytes:,} bytes with the rest of its answer ({KEPT_ID_BYTES} per top-p token id), "
+                           f"{advice}")
         return self.reason
 
 
