@@ -9,10 +9,13 @@ instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger("megatron_serve.client")
 
 
 class EventLoopThread:
@@ -44,14 +47,41 @@ class EventLoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result(timeout)
 
+    def close(self, teardown: Coroutine[Any, Any, None], timeout: float = 5.0) -> None:
+        """Run the owner's ``teardown`` for at most ``timeout``, then :meth:`stop` (idempotent). A teardown that
+        overruns (its loop starved of CPU while the machine is loaded) or fails is logged, not raised: whoever
+        closes is on its way out, and :meth:`stop` cancels what the teardown left running."""
+        if self.loop.is_closed():
+            teardown.close()
+            return
+        try:
+            self.run(teardown, timeout=timeout)
+        except Exception:  # noqa: BLE001 - TimeoutError, or a connection that never came up: nothing left to close
+            logger.debug("closing %s", self._thread.name, exc_info=True)
+        finally:
+            self.stop(timeout)
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the loop and join the thread (idempotent)."""
+        """Cancel the tasks still on the loop and let them end, stop the loop and join the thread (idempotent):
+        a task left pending when its loop is closed would be destroyed pending, with an error logged for each."""
         if self.loop.is_closed():
             return
         if self.in_loop_thread:
             raise RuntimeError("EventLoopThread.stop() called from its own loop thread")
         if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_others(), self.loop).result(timeout)
+            except Exception:  # noqa: BLE001 - a loop that does not turn within the timeout: stop it all the same
+                logger.debug("cancelling the tasks of %s", self._thread.name, exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def _cancel_others() -> None:
+    """Cancel every task of the running loop but this one, and wait until they have ended."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)

@@ -13,12 +13,10 @@ after a crash; engines register again and clients send their unfinished requests
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from ..client.loop_thread import EventLoopThread
 
-logger = logging.getLogger("megatron_serve.local_fleet")
 
 #: Seconds without a word from the coordinator after which it counts as hung. Above its longest legitimate pause
 #: (its loop runs only short handlers: a STATUS of 1,000 engines is milliseconds) and below the clients' 30 s grace.
@@ -56,15 +54,4 @@ class CoordinatorWatch:
 
     def close(self) -> None:
         """Close the connection and stop the thread (idempotent)."""
-        if self._thread.loop.is_closed():
-            return
-
-        async def stop() -> None:
-            await self.client.aclose()
-
-        try:
-            self._thread.run(stop(), timeout=5.0)
-        except Exception:  # noqa: BLE001 - a connection that never came up: nothing to close
-            logger.debug("closing the coordinator watch", exc_info=True)
-        finally:
-            self._thread.stop()
+        self._thread.close(self.client.aclose())

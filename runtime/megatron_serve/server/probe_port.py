@@ -51,17 +51,11 @@ class FleetWatch:
 
     def close(self) -> None:
         """Stop polling, close the connection and the thread (idempotent)."""
-        if self._thread.loop.is_closed():
-            return
-
         async def stop() -> None:
             await self.monitor.stop()
             await self.client.aclose()  # its tasks end here, before their loop stops
 
-        try:
-            self._thread.run(stop(), timeout=5.0)
-        finally:
-            self._thread.stop()
+        self._thread.close(stop())
 
 
 class ProbeFacts:
