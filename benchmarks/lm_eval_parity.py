@@ -44,7 +44,7 @@ from lm_eval.tasks import TaskManager
 
 from megatron_serve.fleet.local_fleet import free_port
 from megatron_serve.fleet.supervisor import stop_process_group
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 
 EVALS = Path(__file__).resolve().parent / "evals"
 MC, GEN = "megatron_facts_mc", "megatron_facts_gen"

@@ -41,7 +41,7 @@ import torch
 import transformers
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 from megatron_serve.model.tiny import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
 
 

@@ -548,7 +548,7 @@ def main() -> None:
 
     model_dir = args.model
     if model_dir is not None:  # a GGUF file: the directory the stack makes of it (config, tokenizer, the file)
-        from megatron_serve.hub import resolve_model  # noqa: PLC0415
+        from megatron_serve.model.hub import resolve_model  # noqa: PLC0415
 
         model_dir = str(resolve_model(model_dir))
     if model_dir is None and args.url is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_serve.commands.model_options import resolve_model_args
-from megatron_serve.hub import HubId, ModelNotFoundError, parse_hub_id, resolve_model
+from megatron_serve.model.hub import HubId, ModelNotFoundError, parse_hub_id, resolve_model
 from megatron_serve.server.modelinfo import default_model_name
 from tests.helpers import free_port
 

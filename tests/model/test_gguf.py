@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from megatron_serve import LLM, SamplingParams
 from megatron_serve.commands.inputs import check_model_dir
 from megatron_serve.commands.model_options import resolve_model_args
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
 from megatron_serve.model.gguf.metadata import architecture, field

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 
 from tests.helpers import script_module
 

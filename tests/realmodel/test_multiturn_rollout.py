@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 from megatron_serve.server import create_app
 from megatron_serve.tokenizer import Tokenizer
 

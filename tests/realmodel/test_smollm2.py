@@ -15,7 +15,7 @@ import torch
 from megatron_serve import SamplingParams
 from megatron_serve.sampling_params import StructuredOutputsParams
 from megatron_serve.client.detokenizer import IncrementalDetokenizer
-from megatron_serve.hub import resolve_model
+from megatron_serve.model.hub import resolve_model
 from megatron_serve.tokenizer import Tokenizer
 
 # 20 prompts of varied lengths and kinds (prose, code, Q&A, SQL, HTML, a letter) batched: each one's tokens are

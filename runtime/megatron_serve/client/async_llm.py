@@ -32,7 +32,7 @@ from .engine_client import EngineClient
 from .fleet_client import FleetClient
 from .generate_call import GenerateCall, stream_request_outputs
 from ..generation_config import GenerationDefaults
-from ..hub import resolve_model
+from ..model.hub import resolve_model
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.lifecycle import PauseMode, Verb
 from ..wire.verb_calls import verb_call

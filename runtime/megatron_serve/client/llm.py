@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 
 class MegatronLLM:
-    """``model``: a model directory, a Hub id (``org/name[@revision]``, see :mod:`megatron_serve.hub`) or a
+    """``model``: a model directory, a Hub id (``org/name[@revision]``, see :mod:`megatron_serve.model.hub`) or a
     built model (with ``tokenizer=``). ``generation_config``: ``"auto"`` applies the model's
     ``generation_config.json`` sampling defaults when ``generate`` gets no ``SamplingParams`` (as vLLM's
     ``LLM`` does), ``"none"`` ignores them, a directory reads its file (:mod:`megatron_serve.generation_config`).

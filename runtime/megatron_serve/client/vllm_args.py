@@ -273,7 +273,7 @@ def wake_up_plan(tags: list[str] | None) -> bool:
 
 def model_directory(model: str | os.PathLike, options: dict[str, Any]) -> Any:
     """``model`` resolved with vLLM's ``revision`` and ``download_dir`` (a Hub id's snapshot, or the path)."""
-    from ..hub import resolve_model  # noqa: PLC0415 - the Hub client only when a model is named
+    from ..model.hub import resolve_model  # noqa: PLC0415 - the Hub client only when a model is named
 
     return resolve_model(model, revision=options.get("revision"), cache_dir=options.get("download_dir"),
                          tokenizer=options.get("tokenizer") is None)

@@ -4,7 +4,7 @@ Without ``--local-dir`` the files go to the Hugging Face cache, where ``--model 
 them later, also offline. With it they go to a plain directory: what the operator's init
 container does to fill a model volume from ``spec.model.hub`` (``--skip-weights`` in the coordinator
 pod, which reads only config and tokenizer). Served files only (safetensors,
-config, tokenizer, generation config; :data:`megatron_serve.hub.ALLOW_PATTERNS`), with
+config, tokenizer, generation config; :data:`megatron_serve.model.hub.ALLOW_PATTERNS`), with
 ``huggingface_hub``'s progress bars; ``HF_TOKEN`` is honoured for gated and private models.
 """
 
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hub import fetch, parse_hub_id  # noqa: PLC0415
+    from ..model.hub import fetch, parse_hub_id  # noqa: PLC0415
 
     hub = parse_hub_id(args.model)
     if hub is None:

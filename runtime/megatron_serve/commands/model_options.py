@@ -2,7 +2,7 @@
 ``--revision``.
 
 :func:`resolve_model_args` turns Hub ids into local directories (cache first, then a download
-with progress; :mod:`megatron_serve.hub`), and a GGUF file into the directory made from it, and runs before
+with progress; :mod:`megatron_serve.model.hub`), and a GGUF file into the directory made from it, and runs before
 anything checks the model directory or starts a process, so that every later step, and every child process,
 sees plain directories.
 A model served from a Hub id is named by the id (``Qwen/Qwen3-0.6B``), as in vLLM, not by the
@@ -39,7 +39,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
 
 def resolve_model_args(args: argparse.Namespace) -> None:
     """Replace Hub ids and GGUF files in ``args.model`` / ``args.tokenizer`` by their local directories (in place)."""
-    from ..hub import resolve_model  # noqa: PLC0415
+    from ..model.hub import resolve_model  # noqa: PLC0415
 
     tokenizer = getattr(args, "tokenizer", None)
     args.model = str(resolve_model(args.model, revision=args.revision, cache_dir=args.download_dir,

@@ -1,7 +1,7 @@
 """A GGUF file served as a model directory: its config, its tokenizer and a link to the file, made once.
 
 Every process of a fleet reads a model as a directory (``config.json``, the tokenizer files, the weights), so a
-GGUF file becomes one before anything starts (:func:`gguf_view`, from :func:`megatron_serve.hub.resolve_model`):
+GGUF file becomes one before anything starts (:func:`gguf_view`, from :func:`megatron_serve.model.hub.resolve_model`):
 ``config.json`` read from the file's metadata (:mod:`.metadata`), the tokenizer and chat template as
 ``transformers`` builds them from the file (``gguf_file=``, as vLLM does), and ``model.gguf``, a link to the file
 itself, whose tensors the loader dequantizes at load (:mod:`.tensors`), and the file's tensor table, so that a load

@@ -81,7 +81,7 @@ def resolve_model(model: str | os.PathLike, *, revision: str | None = None, cach
             raise ValueError(f"--revision {revision} applies to Hub ids (org/name), not to the directory {model}")
         if path.suffix.lower() != ".gguf" or not path.is_file():
             return path
-        from .model.gguf.view import gguf_view  # noqa: PLC0415 - torch and gguf only for a GGUF file
+        from .gguf.view import gguf_view  # noqa: PLC0415 - torch and gguf only for a GGUF file
 
         return gguf_view(path, tokenizer=tokenizer)
     hub = hub.with_revision(revision)
