@@ -83,7 +83,7 @@ def _probe_port_rule(server: dict[str, Any]) -> bool:
     return probe == 0 or int(probe) not in (int(server.get("port", 8000)), COORDINATOR_PORT)
 
 
-#: A Hugging Face Hub id with an optional revision (``megatron_serve.hub`` reads the same shape).
+#: A Hugging Face Hub id with an optional revision (``megatron_serve.model.hub`` reads the same shape).
 HUB_ID_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9_.-]*[A-Za-z0-9_](@[A-Za-z0-9_./-]+)?$"
 
 
