@@ -18,9 +18,9 @@ TORCH_INDEX_URL ?=
 ARGS ?=
 
 # The image: docker when its engine answers, else podman. Tagged with the package version (one source:
-# megatron_serve.__version__), which the chart's appVersion and the manifests also carry.
+# megatron_serve/package.py), which the chart's appVersion and the manifests also carry.
 # BASE_IMAGE=... builds on another PyTorch image (any with python, pip, torch and triton).
-VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serve/__init__.py)
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serve/package.py)
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
 CONTAINER_TOOL ?= $(shell docker info >/dev/null 2>&1 && echo docker || command -v podman 2>/dev/null)
 

@@ -180,6 +180,32 @@ def test_http_server_imports_no_torch():
 VLLM_NAMESAKES = frozenset({"inputs", "outputs", "sampling_params"})
 
 
+def test_no_module_imports_the_package_root():
+    """The root re-exports the Python API, which stands above every other wing: a wing that imported the root (for the
+    version or the lazy-export helper, as ``model`` and ``server`` did) imported back up the tree. What the root shares
+    with its wings lives in ``megatron_serve.package``, beneath them all."""
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        if not name.startswith("megatron_serve."):
+            continue
+        depth = len(name.split(".")) + (1 if path.name == "__init__.py" else 0)
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                root_names = [alias.name for alias in node.names if alias.name == "megatron_serve"]
+            elif isinstance(node, ast.ImportFrom):
+                base = name.split(".")[: depth - node.level] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                # ``from megatron_serve import cli`` loads a submodule, not a name of the root's
+                root_names = [alias.name for alias in node.names
+                              if module == "megatron_serve" and f"megatron_serve.{alias.name}" not in modules]
+            else:
+                continue
+            if root_names:
+                offenders.append(f"{name}:{node.lineno} ({', '.join(root_names)})")
+    assert not offenders, f"modules importing the package root (use megatron_serve.package): {offenders}"
+
+
 def test_at_most_twelve_modules_are_left_flat_in_the_package():
     """The rest lives in wings by process: wire, client, fleet, coordinator, engine, server, model, weights."""
     flat = sorted(path.stem for path in PACKAGES["megatron_serve"].glob("*.py")

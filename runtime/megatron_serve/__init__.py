@@ -6,14 +6,9 @@ control``, the coordinator) do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
-# The distribution's one version: pyproject.toml reads it from here, and the CLI (--version), the
-# HTTP server (OpenAPI), the operator's default image tag, the image label and the chart's
-# appVersion all equal it (tests/release/test_versions.py keeps them equal).
-__version__ = "0.1.0"
+from .package import __version__, lazy_exports
 
 _EXPORTS = {
     "AsyncEngineArgs": ".client.vllm_engine",
@@ -57,27 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client.weight_sender import WeightSender, WeightTransferError
     from .wire.sampling_params import RequestOutputKind, SamplingParams
     from .weights.shards import Shard
-
-
-def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """PEP 562 ``__getattr__`` and ``__dir__`` for ``package``, whose names in ``exports`` (name -> its module,
-    relative to the package) are imported on first use, so that a process pays for torch, FastAPI or the client only
-    when it reads a name that needs them. Any other name is an ``AttributeError``: ``from package import submodule``
-    then imports the submodule. This package and its ``model`` and ``server`` wings share it."""
-    namespace = sys.modules[package].__dict__
-
-    def getattr_(name: str) -> Any:
-        module = exports.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module, package), name)
-        namespace[name] = value
-        return value
-
-    def dir_() -> list[str]:
-        return sorted(set(namespace) | set(exports))
-
-    return getattr_, dir_
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

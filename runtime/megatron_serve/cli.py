@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from . import __version__
+from .package import __version__
 from .client.vllm_options import accepted_warnings
 from .fleet.lifeline import hold_lifeline
 

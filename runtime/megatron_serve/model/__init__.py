@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .. import lazy_exports
+from ..package import lazy_exports
 
 _EXPORTS = {"ModelConfig": ".config", "UnsupportedModelError": ".errors", "LlamaForCausalLM": ".llama",
             "load_model": ".loader"}

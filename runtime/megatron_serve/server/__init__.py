@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .. import lazy_exports
+from ..package import lazy_exports
 
 # Imported on first use (PEP 562): the probe process runs ``server.probe_process`` and needs none of FastAPI,
 # which importing ``.app`` here cost it (some 1.5 s of CPU at each start).

@@ -24,7 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from ..tokenizer import Tokenizer
-from .. import __version__
+from ..package import __version__
 from ..generation_config import GenerationDefaults
 from ..grammar import warm_checker
 from ..http_options import HTTPOptions

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ... import __version__
+from ...package import __version__
 from ...wire.sampling_fields import MAX_TOP_N_LOGPROBS
 from ..context import ServerContext
 from ..openapi_doc import error_responses

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ... import __version__
+from ...package import __version__
 from ..context import ServerContext
 from ..errors import bad_request
 from ..openapi_doc import error_responses
