@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from megatron_serve.fleet import local_fleet
 from megatron_serve.fleet.launcher_client import DEFAULT_ENGINE_START, ChildProcess, Launcher, Refused
-from megatron_serve.fleet.lifeline import Lifeline
+from megatron_serve.processes.lifeline import Lifeline
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, Message, decode, encode
 from megatron_serve.wire.security import TOKEN_ENV, FleetSecret, PeerKeys, make_secret

@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from .package import __version__
 from .client.vllm_options import accepted_warnings
-from .fleet.lifeline import hold_lifeline
+from .processes.lifeline import hold_lifeline
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_serve.fleet.lifeline import Lifeline
+from megatron_serve.processes.lifeline import Lifeline
 from megatron_serve.fleet.supervisor import Child, Gang, Supervisor
 
 from ..helpers import wait_until

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_serve.fleet.launcher_client import ForkedProcess, Launcher, Refused
-from megatron_serve.fleet.lifeline import Lifeline
+from megatron_serve.processes.lifeline import Lifeline
 from megatron_serve.fleet.supervisor import Child, Supervisor, end_process_group
 
 from tests.helpers import wait_until

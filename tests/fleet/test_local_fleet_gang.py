@@ -24,13 +24,13 @@ STANDIN = textwrap.dedent("""\
     #!{python}
     import json, os, subprocess, sys, time
     from megatron_serve.wire.security import TOKEN_ENV
-    from megatron_serve.fleet.lifeline import hold_lifeline
+    from megatron_serve.processes.lifeline import hold_lifeline
     hold_lifeline()
     args = sys.argv[3:]  # after "-m megatron_serve.cli"
     worker = None
     if args[0] == "engine":  # a tensor-parallel worker rank: in the engine's process group, as multiprocessing's are
         # (recorded once it dies with the engine, as an engine's worker ranks report they started)
-        proc = subprocess.Popen([sys.executable, "-c", "import time; from megatron_serve.fleet.lifeline import "
+        proc = subprocess.Popen([sys.executable, "-c", "import time; from megatron_serve.processes.lifeline import "
                                  "parent_death_signal; parent_death_signal(); print(flush=True); time.sleep(120)"],
                                 stdout=subprocess.PIPE)
         proc.stdout.readline()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_serve.fleet.lifeline import Lifeline
+from megatron_serve.processes.lifeline import Lifeline
 from megatron_serve.fleet.local_fleet import LocalFleet, remove_stale_run_dirs
 
 from ..helpers import alive, wait_until
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 STANDIN = textwrap.dedent("""\
     #!{python}
     import json, os, sys, time
-    from megatron_serve.fleet.lifeline import hold_lifeline
+    from megatron_serve.processes.lifeline import hold_lifeline
     hold_lifeline()
     args = sys.argv[3:]  # after "-m megatron_serve.cli"
     with open({record!r}, "a") as f:
@@ -151,7 +151,7 @@ def test_the_lifeline_pipe_alone_ends_a_child_whose_parent_cut_it():
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""\
             import time
-            from megatron_serve.fleet import lifeline
+            from megatron_serve.processes import lifeline
             lifeline.parent_death_signal = lambda *args: False  # as where prctl does not exist
             lifeline.hold_lifeline()
             print("holding", flush=True)

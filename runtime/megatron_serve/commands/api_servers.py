@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..fleet.lifeline import Lifeline
+from ..processes.lifeline import Lifeline
 from ..fleet.supervisor import Child, Supervisor
 from ..limits import MAIN_BACKLOG
 

@@ -14,7 +14,7 @@ import pickle
 import socket
 import sys
 
-from ..fleet.lifeline import hold_lifeline
+from ..processes.lifeline import hold_lifeline
 from . import server
 from .options import read_token, setup_logging
 

@@ -53,7 +53,7 @@ from typing import Callable
 import setproctitle
 
 from ..fleet.launcher_client import LATE_READ, MAX_FDS, MAX_MESSAGE
-from ..fleet.lifeline import arm_lifeline, wait_for_end_of_file
+from ..processes.lifeline import arm_lifeline, wait_for_end_of_file
 
 #: The interpreter's signal dispositions, as they were before any import: what each child starts with.
 SIGNALS = {signum: signal.getsignal(signum) for signum in signal.valid_signals()

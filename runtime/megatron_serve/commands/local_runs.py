@@ -24,7 +24,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..fleet.lifeline import process_exists
+from ..processes.pids import process_exists
 
 RUN_FILE = "run.json"
 SECRET_FILE = "secret"

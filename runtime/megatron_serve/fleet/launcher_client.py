@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..wire.security import TOKEN_ENV
-from .lifeline import LIFELINE_ENV, Lifeline
+from ..processes.lifeline import LIFELINE_ENV, Lifeline
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 

@@ -16,7 +16,7 @@ Its engine and rendezvous-store processes are forked from a launcher process tha
 (``engine_start="fork"``, the default on Linux: :mod:`megatron_serve.commands.launcher`), or each started as a fresh
 interpreter (``"exec"``); the coordinator is always a fresh one.
 
-No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.fleet.lifeline`); once
+No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.processes.lifeline`); once
 :meth:`LocalFleet.supervise` is called, a child that dies is restarted with back-off
 (:mod:`megatron_serve.fleet.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
 given: ``$TMPDIR/megatron-fleet-*``) is removed when the fleet stops; one whose process was killed
@@ -47,7 +47,7 @@ from ..config import InferenceConfig
 from .argv import disaggregated_roles, inference_config_to_argv, kv_role_argv
 from .coordinator_watch import COORDINATOR_LIVENESS_TIMEOUT, CoordinatorWatch
 from .launcher_client import DEFAULT_ENGINE_START, ENGINE_STARTS, ChildProcess, Launcher
-from .lifeline import Lifeline
+from ..processes.lifeline import Lifeline
 from ..wire.security import TOKEN_ENV, make_secret
 from .supervisor import Child, Gang, Supervisor, exit_cause, log_tail
 

@@ -25,7 +25,7 @@ out until the group is wanted at a size above its rank again (:meth:`Supervisor.
 reads the size in the coordinator's STATUS): then it starts again and joins, as a lost rank's restart does.
 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
-(:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
+(:mod:`megatron_serve.processes.lifeline`) follows the thread that started a child, and a caller's worker
 thread may end long before the fleet does.
 
 A child marked :attr:`Child.fork` (an engine, a rendezvous store: the processes that import torch) is forked by the
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .launcher_client import ChildProcess, Launcher, Refused
-from .lifeline import Lifeline
+from ..processes.lifeline import Lifeline
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 

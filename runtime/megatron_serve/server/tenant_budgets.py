@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..fleet.lifeline import process_exists
+from ..processes.pids import process_exists
 
 if TYPE_CHECKING:
     from .tenants import Tenant

@@ -15,6 +15,7 @@ from ...config import InferenceConfig
 from ...heap import freeze_startup_heap
 from ...model.loader import load_model, load_weights
 from ...model.lora.slots import LoraSlots
+from ...processes.lifeline import parent_death_signal
 from ...weights.drafter import policy_only
 from ...weights.peer_pull import follow_share
 from ...weights.sources import WeightSource
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int,
                started: multiprocessing.synchronize.Event) -> None:
     """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
-    from ...fleet.lifeline import parent_death_signal  # noqa: PLC0415
     from ...model.config import ModelConfig  # noqa: PLC0415
 
     parent_death_signal()  # dies with its fork server, which ends with rank 0's process whatever kills it

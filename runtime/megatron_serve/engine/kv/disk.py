@@ -42,7 +42,7 @@ from typing import Callable, Iterator, NamedTuple
 import msgspec
 import torch
 
-from ...fleet.lifeline import process_exists
+from ...processes.pids import process_exists
 from ...wire.kv_events import MEDIUM_DISK
 from .events import BlockOrigin, KVEventLog
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 import httpx
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
-from ...fleet.lifeline import Lifeline
+from ...processes.lifeline import Lifeline
 from ...fleet.local_fleet import free_port
 from ...server.admin import ADMIN_KEY_ENV
 from ...server.rl.sampling_bodies import vllm_names

@@ -8,7 +8,7 @@ with "Address already in use". Two mechanisms, as systemd and Kubernetes' kubele
   child when the *thread* that started it ends, which covers SIGKILL of the parent and needs no
   cooperation from the child (a child stuck in a long C call dies too). Because it follows a
   thread, the parent must start its children from a thread that lives as long as they should
-  (:class:`~megatron_serve.fleet.supervisor.Supervisor` does);
+  (:class:`~megatron_serve.fleet.supervisor.Supervisor` does, and the engine's fork server for its ranks);
 * a **lifeline pipe**, for other systems and as a second line: the parent holds the write end of
   a pipe and never writes; each child watches the read end in a thread and exits when it reads
   end-of-file, which the kernel delivers once no process holds the write end any more.
@@ -113,14 +113,3 @@ def _parent_gone() -> None:
     finally:
         os._exit(1)
 
-
-def process_exists(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's does too): what a lock file or a table row naming a process
-    that may have died is checked against."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
