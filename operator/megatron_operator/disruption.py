@@ -3,11 +3,20 @@
 Without them ``kubectl drain`` of a node (the Eviction API) evicts every engine pod on it at once: a fleet whose
 groups share a node loses all of them together, and the requests they hand back have nowhere to go. With them:
 
-- ``<name>-engine`` selects every engine pod and allows ``maxUnavailableGroups`` groups' worth of pods
-  (``maxUnavailable`` = groups x pods per group) to be gone at once; the eviction of the next waits (HTTP 429)
-  until the evicted group's replacement is Ready again. An engine pod counts as available once Ready, and it is
-  Ready only once registered with the coordinator, so the next group goes only when the last one serves again.
-  Each evicted pod drains first (SIGTERM, preStop, ``terminationGracePeriodSeconds``).
+- ``<name>-engine`` selects every engine pod and allows ``maxUnavailableGroups`` groups' worth of pods to be gone
+  at once; the eviction of the next waits (HTTP 429) until the evicted group's replacement is Ready again. An
+  engine pod counts as available once Ready, and it is Ready only once registered with the coordinator, so the
+  next group goes only when the last one serves again. Each evicted pod drains first (SIGTERM, preStop,
+  ``terminationGracePeriodSeconds``).
+
+  The budget says so as ``minAvailable`` = (groups - maxUnavailableGroups) x pods per group, a count of Ready pods,
+  and not as ``maxUnavailable``: for ``maxUnavailable`` the disruption controller takes the number of pods expected
+  from the controllers of the pods that exist now, and each group is a StatefulSet of its own. Once an evicted
+  group's last pod is gone and before its StatefulSet has made the replacement (or for as long as it cannot make
+  one), that StatefulSet is not counted, the budget expects one group fewer and allows one more eviction: a drain,
+  whose evictions run side by side, then takes two groups at once (docs/kubernetes/rollouts.md). ``minAvailable``
+  counts only the pods Ready now, so nothing the StatefulSets have not made yet opens it. The operator renders it
+  again whenever the number of groups changes (the scale subresource included).
 - ``<name>-coordinator`` keeps the coordinator's only pod (a ``Recreate`` Deployment of one) from being evicted.
 
 Both let a pod that is not Ready be evicted whatever the budget says (``unhealthyPodEvictionPolicy: AlwaysAllow``):
@@ -42,8 +51,9 @@ def render_budgets(spec: InferenceSpec) -> list[dict[str, Any]]:
     budget = spec.disruption_budget
     if not budget["enabled"]:
         return []
-    groups = int(budget["maxUnavailableGroups"])
-    objects = [_budget(spec, engine_budget_name(spec.name), "engine", {"maxUnavailable": groups * spec.pods_per_group})]
+    available_groups = max(spec.data - int(budget["maxUnavailableGroups"]), 0)
+    objects = [_budget(spec, engine_budget_name(spec.name), "engine",
+                       {"minAvailable": available_groups * spec.pods_per_group})]
     if budget["protectCoordinator"]:
         objects.append(_budget(spec, coordinator_name(spec.name), "coordinator", {"minAvailable": 1}))
     return objects

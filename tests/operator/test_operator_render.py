@@ -476,3 +476,24 @@ def test_engine_speculative_reaches_the_engine_command_as_vllms_json(speculative
         from megatron_serve.config import SpeculativeConfig  # noqa: PLC0415
 
         SpeculativeConfig.from_dict(parsed.speculative_config)
+
+
+@pytest.mark.parametrize("file, data, budget, available", [
+    ("single-gpu.yaml", 3, {}, 2),  # the default: one group of three may go
+    ("single-gpu.yaml", 3, {"maxUnavailableGroups": 0}, 3),  # no engine pod may be evicted
+    ("single-gpu.yaml", 3, {"maxUnavailableGroups": 5}, 0),  # more than there are: every pod may go
+    ("single-gpu.yaml", 0, {}, 0),  # scaled to zero
+    ("multi-node.yaml", 3, {}, 4),  # two pods a group: two groups' pods stay
+])
+def test_the_engine_budget_is_a_count_of_ready_pods(file, data, budget, available):
+    """``minAvailable`` (what the disruption controller compares with the Ready pods alone), never
+    ``maxUnavailable``, whose expected count leaves out a group whose StatefulSet has no pod yet: the budget would
+    let a second group go while the first one's replacement is not made (test_real_disruption.py shows both)."""
+    (example,) = load_yaml(ROOT / "manifests" / "examples" / file)
+    resource = identified(example)
+    resource["spec"]["parallelism"]["data"] = data
+    resource["spec"]["disruptionBudget"] = budget
+    engine = by_key(render(resource, CONFIG))[("PodDisruptionBudget", f"{resource['metadata']['name']}-engine")]
+    assert engine["spec"]["minAvailable"] == available
+    assert "maxUnavailable" not in engine["spec"]
+    assert engine["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
