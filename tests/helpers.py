@@ -161,7 +161,7 @@ def rank_processes(engine_pid: int) -> list[int]:
 def greedy_tokens(model_dir: str, prompts: list[str], params: SamplingParams, **config: Any) -> list[list[int]]:
     """The tokens an in-process engine of ``model_dir`` (64 KV blocks; ``config``: more ``InferenceConfig`` fields)
     generates for ``prompts``: what a fleet serving that checkpoint must answer."""
-    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415 - torch, only for the tests that run a model
+    from megatron_serve.api.llm import MegatronLLM  # noqa: PLC0415 - torch, only for the tests that run a model
     from megatron_serve.config import InferenceConfig  # noqa: PLC0415
 
     with MegatronLLM(model_dir, InferenceConfig(**{"num_kv_blocks": 64, **config})) as llm:

@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING
 from .package import __version__, lazy_exports
 
 _EXPORTS = {
-    "AsyncEngineArgs": ".client.vllm_engine",
-    "AsyncLLM": ".client.vllm_engine",
-    "AsyncLLMEngine": ".client.vllm_engine",
+    "AsyncEngineArgs": ".api.vllm_engine",
+    "AsyncLLM": ".api.vllm_engine",
+    "AsyncLLMEngine": ".api.vllm_engine",
     "CompletionOutput": ".client.vllm_outputs",
-    "EngineArgs": ".client.vllm_engine",
+    "EngineArgs": ".api.vllm_engine",
     "DynamicInferenceRequest": ".wire.request",
     "EventType": ".wire.request",
     "FinishReason": ".wire.request",
     "InferenceClient": ".client.coordinator_client",
     "InferenceConfig": ".config",
-    "LLM": ".client.llm",
+    "LLM": ".api.llm",
     "LoRARequest": ".client.lora_request",
     "Logprob": ".client.vllm_outputs",
-    "MegatronAsyncLLM": ".client.async_llm",
-    "MegatronLLM": ".client.llm",
+    "MegatronAsyncLLM": ".api.async_llm",
+    "MegatronLLM": ".api.llm",
     "RequestOutput": ".client.vllm_outputs",
     "RequestOutputKind": ".wire.sampling_params",
     "RequestStatus": ".wire.request",
@@ -40,13 +40,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .client.async_llm import MegatronAsyncLLM
+    from .api.async_llm import MegatronAsyncLLM
     from .client.coordinator_client import InferenceClient
     from .config import InferenceConfig
-    from .client.llm import LLM, MegatronLLM
+    from .api.llm import LLM, MegatronLLM
     from .client.lora_request import LoRARequest
     from .client.prompts import TextPrompt, TokensPrompt
-    from .client.vllm_engine import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
+    from .api.vllm_engine import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
     from .client.vllm_outputs import CompletionOutput, Logprob, RequestOutput
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
     from .client.weight_sender import WeightSender, WeightTransferError

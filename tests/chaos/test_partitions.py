@@ -71,7 +71,7 @@ def engine_namespace() -> Iterator[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def direct(tiny_model):
-    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.api.llm import MegatronLLM  # noqa: PLC0415
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
     try:
@@ -244,7 +244,7 @@ TRANSFER_TIMEOUT_S = 15
 @pytest.fixture(scope="module")
 def policy_b(tmp_path_factory) -> tuple[str, list[list[int]]]:
     """Another tiny model (the trainer's new weights) and its greedy tokens for PROMPTS, from a direct engine."""
-    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.api.llm import MegatronLLM  # noqa: PLC0415
     from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
     model = str(make_tiny_model(tmp_path_factory.mktemp("policy-b"), seed=1))
@@ -336,7 +336,7 @@ async def test_a_rank_cut_off_from_its_group_moves_the_groups_requests_and_answe
     no progress, and the coordinator's stall check takes its requests to B. Every stream completes with the text
     of an uninterrupted run (``--batch-invariant``: two ranks' tokens are one rank's), each answered once; with the
     pair back up, A's step completes and its late answers for requests that moved reach no client."""
-    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.api.llm import MegatronLLM  # noqa: PLC0415
 
     invariant = ("--batch-invariant",)
     with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64, batch_invariant=True)) as llm:

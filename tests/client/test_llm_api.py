@@ -19,7 +19,7 @@ CONFIG = InferenceConfig(num_kv_blocks=64)
 
 @pytest.fixture(scope="module")
 def direct_outputs(tiny_model):
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     return [r.generated_tokens for r in MegatronLLM(tiny_model, CONFIG).generate(PROMPTS, GREEDY)]
 

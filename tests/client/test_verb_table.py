@@ -13,9 +13,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from megatron_serve.client.async_llm import MegatronAsyncLLM
+from megatron_serve.api.async_llm import MegatronAsyncLLM
 from megatron_serve.client.coordinator_client import InferenceClient
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.client.local_engine import LocalEngineClient
 from megatron_serve.commands import control
 from megatron_serve.errors import NoFleet

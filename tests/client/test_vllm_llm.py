@@ -239,7 +239,7 @@ def test_constructor_keywords_reach_the_engine(tiny_llama, caplog):
 def test_data_parallel_attention_runs_as_a_fleet_of_one_gang(tiny_llama, tmp_path):
     """``InferenceConfig(data_parallel_size=2, enable_expert_parallel=True)`` in coordinator mode: the fleet started
     here is one group of two engine processes (each its rank); in this process it cannot run, and says so."""
-    from megatron_serve.client.fleet_client import FleetClient
+    from megatron_serve.api.fleet_client import FleetClient
 
     config = InferenceConfig(enable_expert_parallel=True, data_parallel_size=2)
     client = FleetClient(None, model=tiny_llama, inference_config=config)

@@ -36,7 +36,7 @@ TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 
 @pytest.fixture(scope="module")
 def direct_results(tiny_model):
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64)) as llm:  # its engine thread ends with it
         return dict(zip(PROMPTS, llm.generate(PROMPTS, LONG)))

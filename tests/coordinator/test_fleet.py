@@ -53,7 +53,7 @@ def fleet(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def direct(tiny_model):
     """Greedy outputs of direct mode (engine in this process) for every prompt used here."""
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS)) as llm:  # its engine thread ends with it
         short = {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
@@ -241,7 +241,7 @@ async def test_control_cli(client, fleet):
 
 
 def test_megatron_llm_coordinator_mode_with_address(fleet, direct):
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     llm = MegatronLLM(fleet.model, use_coordinator=True, coordinator_address=fleet.address,
                       token=fleet.children.secret)

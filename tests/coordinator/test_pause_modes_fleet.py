@@ -42,7 +42,7 @@ def fleet(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def direct(tiny_model):
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=256)) as llm:
         long = {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
@@ -185,7 +185,7 @@ async def test_control_cli_and_megatron_llm_take_a_mode_and_refuse_a_bad_one(cli
     with pytest.raises(ValueError, match="drain_timeout applies to mode wait only"):
         await client.pause("abort", drain_timeout=3)
 
-    from megatron_serve.client.llm import MegatronLLM
+    from megatron_serve.api.llm import MegatronLLM
 
     def llm_side() -> None:
         with MegatronLLM(fleet.model, use_coordinator=True, coordinator_address=fleet.address,

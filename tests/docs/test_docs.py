@@ -57,7 +57,7 @@ def test_mkdocs_build_is_strict_clean(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     api = (tmp_path / "site" / "python-api" / "index.html").read_text()
-    for name in ("megatron_serve.client.llm.MegatronLLM.generate", "megatron_serve.client.async_llm.MegatronAsyncLLM.serve",
+    for name in ("megatron_serve.api.llm.MegatronLLM.generate", "megatron_serve.api.async_llm.MegatronAsyncLLM.serve",
                  "megatron_serve.wire.sampling_params.SamplingParams", "megatron_serve.client.coordinator_client.InferenceClient"):
         assert f'id="{name}"' in api, name  # mkdocstrings rendered the docstrings
 

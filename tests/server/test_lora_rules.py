@@ -20,7 +20,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.lora.checkpoint import MAX_CONFIG_BYTES, WEIGHTS_FILE
 from megatron_serve.wire.sampling_params import SamplingParams

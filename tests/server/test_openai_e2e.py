@@ -101,7 +101,7 @@ def client(stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def direct(tiny_model, tokenizer):
     """Greedy results of direct mode (engine in this process) for the prompts used here."""
-    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.api.llm import MegatronLLM  # noqa: PLC0415
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS))
     greedy = SamplingParams(temperature=0.0, num_tokens_to_generate=MAX_TOKENS, return_log_probs=True)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from megatron_serve.client.async_llm import MegatronAsyncLLM
+from megatron_serve.api.async_llm import MegatronAsyncLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.server import serve_async_llm
 from megatron_serve.server.rl import RL_ADMIN_PATHS

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from megatron_serve import WeightSender
 from megatron_serve.client import weight_sender
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.lora.checkpoint import WEIGHTS_FILE

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.config import InferenceConfig
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 

@@ -18,7 +18,7 @@ import torch
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.client.outputs import StreamPartial
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams

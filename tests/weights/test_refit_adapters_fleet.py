@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ Two implementations, chosen once when a ``MegatronAsyncLLM`` is built:
 
 * :class:`~megatron_serve.client.local_engine.LocalEngineClient`: an engine in this process, stepped on a
   thread of its own (direct mode). It has no fleet: the fleet's lifecycle verbs raise ``NoFleet``.
-* :class:`~megatron_serve.client.fleet_client.FleetClient`: the coordinator client
+* :class:`~megatron_serve.api.fleet_client.FleetClient`: the coordinator client
   (:class:`~megatron_serve.client.coordinator_client.InferenceClient`) of a fleet at an address, or of a local fleet
   it starts itself (coordinator mode).
 

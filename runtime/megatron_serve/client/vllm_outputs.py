@@ -1,6 +1,6 @@
 """vLLM's result shape, ``RequestOutput`` with a ``CompletionOutput`` per choice, built from the request records.
 
-:class:`~megatron_serve.client.llm.LLM` and ``MegatronAsyncLLM.generate`` (iterated) hand these back,
+:class:`~megatron_serve.api.llm.LLM` and ``MegatronAsyncLLM.generate`` (iterated) hand these back,
 so that code written for vLLM's ``LLM`` / ``AsyncLLM`` reads ``out.outputs[0].text``,
 ``out.prompt_token_ids`` and ``out.prompt_logprobs`` unchanged. One record
 (:class:`~megatron_serve.wire.request.DynamicInferenceRequest`) per choice stays the one

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     images = [Path(path).read_bytes() for path in args.image]  # a missing file fails before the model loads
     prompts = [{"prompt": p, "images": images} for p in args.prompts] if images else args.prompts
     # torch's import only once every check above has passed: a refused command stays as quick as a usage error
-    from ..client.llm import MegatronLLM  # noqa: PLC0415
+    from ..api.llm import MegatronLLM  # noqa: PLC0415
 
     started = time.perf_counter()
     print(f"loading model from {args.model} ...", file=sys.stderr, flush=True)

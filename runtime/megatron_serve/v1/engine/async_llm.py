@@ -1,5 +1,5 @@
-"""vLLM's ``vllm.v1.engine.async_llm``: ``AsyncLLM`` (see :mod:`megatron_serve.client.vllm_engine`)."""
+"""vLLM's ``vllm.v1.engine.async_llm``: ``AsyncLLM`` (see :mod:`megatron_serve.api.vllm_engine`)."""
 
-from ...client.vllm_engine import AsyncLLM
+from ...api.vllm_engine import AsyncLLM
 
 __all__ = ["AsyncLLM"]

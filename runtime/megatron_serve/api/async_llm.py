@@ -8,7 +8,7 @@ implementation is chosen when the object is built:
   on the model. The lifecycle verbs raise ``RuntimeError``; ``refit`` loads new weights between
   two steps (requests in flight continue on them and their per-token epochs show the switch).
 * **coordinator** (``use_coordinator=True``): the coordinator client
-  (:class:`~megatron_serve.client.fleet_client.FleetClient`). Without ``coordinator_address`` it starts
+  (:class:`~megatron_serve.api.fleet_client.FleetClient`). Without ``coordinator_address`` it starts
   its own coordinator and ``num_engines`` engine processes and stops them on :meth:`shutdown`; with
   an address it connects to that fleet and :meth:`shutdown` only disconnects (it never stops a
   fleet it did not start; send :meth:`stop` for that).
@@ -28,23 +28,23 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequen
 
 from ..config import InferenceConfig
 from ..errors import NoFleet
-from .engine_client import EngineClient
+from ..client.engine_client import EngineClient
 from .fleet_client import FleetClient
-from .generate_call import GenerateCall, stream_request_outputs
+from ..client.generate_call import GenerateCall, stream_request_outputs
 from ..generation_config import GenerationDefaults
 from ..model.hub import resolve_model
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.lifecycle import PauseMode, Verb
 from ..wire.verb_calls import verb_call
-from .outputs import StreamItem
-from .chat_messages import Conversation, render_conversations
-from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
+from ..client.outputs import StreamItem
+from ..client.chat_messages import Conversation, render_conversations
+from ..client.prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
 from ..wire.request import DynamicInferenceRequest, FinishReason
 from ..wire.sampling_params import SamplingParams
-from .lora_request import LoRARequest, apply_lora
-from .request_checks import ServingBounds
-from .vllm_args import wake_up_plan
-from .vllm_outputs import RequestOutput
+from ..client.lora_request import LoRARequest, apply_lora
+from ..client.request_checks import ServingBounds
+from ..client.vllm_args import wake_up_plan
+from ..client.vllm_outputs import RequestOutput
 from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class MegatronAsyncLLM:
         max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS,
     ) -> None:
         """``model``, ``generation_config`` and ``max_request_logprobs`` as in
-        :class:`~megatron_serve.client.llm.MegatronLLM`."""
+        :class:`~megatron_serve.api.llm.MegatronLLM`."""
         if isinstance(max_request_logprobs, bool) or not isinstance(max_request_logprobs, int) \
                 or max_request_logprobs < 1:
             raise ValueError(f"max_request_logprobs must be a positive integer, got {max_request_logprobs!r}")
@@ -99,7 +99,7 @@ class MegatronAsyncLLM:
             if inference_config is not None and inference_config.data_parallel_size > 1:
                 raise ValueError(f"data_parallel_size {inference_config.data_parallel_size} is data-parallel "
                                  "attention: an engine process per rank, which a fleet starts (use_coordinator=True)")
-            from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
+            from ..client.local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
             self.engine = build_engine(model, inference_config, tokenizer)
             self._tokenizer = self.engine.tokenizer

@@ -17,7 +17,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .coordinator_client import InferenceClient
+from ..client.coordinator_client import InferenceClient
 from ..config import InferenceConfig
 from ..fleet.local_fleet import LocalFleet
 from ..wire.security import TokenFrom
@@ -114,7 +114,7 @@ class FleetClient(InferenceClient):
         process, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on a one-GPU
         H100). To a remote fleet, ``WeightSender``'s default (NCCL where this process has a GPU).
         """
-        from .weight_sender import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
+        from ..client.weight_sender import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
 
         backend = "gloo" if self.fleet is not None else None
         return await WeightSender(self, backend=backend).send(named_tensors, epoch=epoch)

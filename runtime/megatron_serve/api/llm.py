@@ -1,6 +1,6 @@
 """``MegatronLLM``, the blocking Python API, and ``LLM``, the same as vLLM's (docs/python-api.md).
 
-A :class:`~megatron_serve.client.async_llm.MegatronAsyncLLM` on a background event-loop thread
+A :class:`~megatron_serve.api.async_llm.MegatronAsyncLLM` on a background event-loop thread
 (:class:`~megatron_serve.client.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
 (``use_coordinator=False``) runs one engine in this process, coordinator mode talks to a fleet:
 which one is the engine client's business (:mod:`megatron_serve.client.engine_client`), not this class's.
@@ -20,19 +20,19 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 import msgspec
 
 from .async_llm import MegatronAsyncLLM
-from .chat_messages import Conversation
+from ..client.chat_messages import Conversation
 from ..config import InferenceConfig
 from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.lifecycle import PauseMode, Verb
-from .loop_thread import EventLoopThread
+from ..client.loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
-from .progress import progress_bar
-from .prompts import Prompt, PromptInput, normalize_prompts
-from .lora_request import LoRARequest, apply_lora
-from .vllm_args import log_warnings, model_directory, parse_llm_keywords
-from .vllm_outputs import RequestOutput, Shaper
+from ..client.progress import progress_bar
+from ..client.prompts import Prompt, PromptInput, normalize_prompts
+from ..client.lora_request import LoRARequest, apply_lora
+from ..client.vllm_args import log_warnings, model_directory, parse_llm_keywords
+from ..client.vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer

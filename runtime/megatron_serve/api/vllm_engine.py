@@ -2,7 +2,7 @@
 
 Code written for vLLM builds its asyncio engine as ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=...,
 tensor_parallel_size=...))`` and streams with ``async for out in engine.generate(prompt, params, request_id)``;
-here the same lines build a :class:`~megatron_serve.client.async_llm.MegatronAsyncLLM` from the keywords
+here the same lines build a :class:`~megatron_serve.api.async_llm.MegatronAsyncLLM` from the keywords
 ``LLM(...)`` takes (:mod:`.vllm_args`: each keyword's meaning, warning or refusal), and ``generate`` honours
 ``SamplingParams.output_kind`` and ``priority``. Where vLLM offers more than this project (a ``VllmConfig``, stat
 loggers, its argument parser, tracing headers), the refusal names what is supported instead.
@@ -19,9 +19,9 @@ import msgspec
 from ..config import InferenceConfig
 from ..wire.sampling_params import SamplingParams
 from .async_llm import MegatronAsyncLLM
-from .generate_call import GenerateCall
-from .prompts import PromptInput
-from .vllm_args import log_warnings, model_directory, parse_llm_keywords
+from ..client.generate_call import GenerateCall
+from ..client.prompts import PromptInput
+from ..client.vllm_args import log_warnings, model_directory, parse_llm_keywords
 
 #: What ``AsyncLLM.generate`` takes besides the prompt, its sampling parameters and its request id.
 GENERATE_KEYWORDS = ("lora_request", "priority")
