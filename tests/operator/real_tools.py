@@ -8,7 +8,6 @@ gives a test's ``kubectl`` and ``helm`` in its namespace, so that a test reads l
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
+
+from .real_reads import Reader
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "megatron-operator"
@@ -47,12 +48,20 @@ def until(predicate: Callable[[], Any], timeout: float, what: str, interval: flo
 
 
 class Kubectl:
-    """``kubectl`` against one cluster, in one namespace (``-n``), as the real client."""
+    """``kubectl`` against one cluster, in one namespace (``-n``), as the real client: what a user types (apply,
+    patch, delete, drain, scale, rollout, ``--as``) runs the real ``kubectl``.
+
+    Reads (:meth:`get`, :meth:`events`) go through the API in-process (:class:`~tests.operator.real_reads.Reader`),
+    with the answers ``kubectl get -o json`` gives: they are the tests' polls, and a ``kubectl`` process for each
+    (about 50 ms of CPU: a Go binary's start, its kubeconfig, discovery, printing) cost some 3,700 processes and
+    190 CPU-seconds per suite run, a tenth of its CPU on two cores (docs/testing.md).
+    """
 
     def __init__(self, kubeconfig: pathlib.Path, namespace: str, binary: str):
         self.kubeconfig = pathlib.Path(kubeconfig)
         self.namespace = namespace
         self.binary = binary
+        self.reader = Reader(self.kubeconfig)
 
     def run(self, *args: str, input: str | None = None, check: bool = True,
             kubeconfig: pathlib.Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -68,15 +77,10 @@ class Kubectl:
         return self.run("apply", "-f", "-", *flags, input=text, check=check)
 
     def get(self, kind: str, name: str | None = None, *selector: str) -> Any:
-        """The object (``None`` when it does not exist), or the list's items without a name."""
-        args = ["get", kind, *([name] if name else []), *selector, "-o", "json"]
-        done = self.run(*args, check=False)
-        if done.returncode != 0:
-            if "NotFound" in done.stderr:
-                return None
-            raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
-        data = json.loads(done.stdout)
-        return data if name else data.get("items", [])
+        """The object (``None`` when it does not exist), or the list's items without a name; ``kind`` as kubectl
+        names it (``pdb``, ``nodes``, a comma-separated list), ``selector`` as ``-l=``, ``--selector=`` or
+        ``--field-selector=``."""
+        return self.reader.get(self.namespace, kind, name, selector)
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """Events of the object named ``name``, oldest first (by ``eventTime``, to the microsecond, where the poster
