@@ -54,7 +54,7 @@ class Drain:
             [kubectl.binary, f"--kubeconfig={kubectl.kubeconfig}", "drain", node, "--ignore-daemonsets",
              "--delete-emptydir-data", "--timeout=240s"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
-        self.ready_counts: list[int] = []
+        self.samples: list[tuple[float, int]] = []  # (when the sample began, engine pods Ready in it)
         self.timeline: list[str] = []  # "+seconds: Ready pods; every engine pod; the budget", at each change
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.watcher = threading.Thread(target=self._watch, daemon=True)
@@ -69,8 +69,13 @@ class Drain:
     def _watch(self) -> None:
         last = ""
         while self.process.poll() is None:
-            pods, budget = self.sample()
-            self.ready_counts.append(sum(map(ready, pods)))
+            began = time.monotonic()
+            try:
+                pods, budget = self.sample()
+            except AssertionError as exc:  # kubectl failed (a loaded API server): the next sample tells
+                self.timeline.append(f"+{began - self.started:.2f}s sample failed: {exc}")
+                continue
+            self.samples.append((began, sum(map(ready, pods))))
             state = (f"Ready {sorted(p['metadata']['name'] for p in pods if ready(p))}; pods "
                      + ", ".join(f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
                                  + (" deleting" if "deletionTimestamp" in p["metadata"] else "") for p in pods)
@@ -88,6 +93,15 @@ class Drain:
         budget = next((i for i in items if i["kind"] == "PodDisruptionBudget" and i["metadata"]["name"] == self.budget),
                       None)
         return pods, budget
+
+    @property
+    def ready_counts(self) -> list[int]:
+        return [count for _, count in self.samples]
+
+    def sampled_since(self, moment: float) -> list[int]:
+        """The Ready counts of the samples that began at ``moment`` or later (a sample in flight at ``moment`` may
+        have read the pods before it)."""
+        return [count for began, count in list(self.samples) if began >= moment]
 
     def ready_now(self) -> int:
         return sum(ready(p) for p in self.fleet.engine_pods(self.name))

@@ -96,10 +96,12 @@ def test_a_node_drain_evicts_the_engine_groups_one_at_a_time(fleet: Fleet):
     assert budget["spec"]["minAvailable"] == GROUPS - 1
     drain = Drain(fleet, node, NAME, BUDGET)
     until(lambda: REFUSED in drain.output(), 120, "the budget refusing the second eviction")
+    refused = time.monotonic()
     assert drain.ready_now() == GROUPS - 1, drain.explain()
     # Until a node takes the replacements, the budget alone holds the line. After that kwok marks a replacement
     # Ready before anything could run in it, which no kubelet does, so the rest of the drain is not held to it.
-    assert min(list(drain.ready_counts)) == GROUPS - 1, drain.explain()
+    until(lambda: drain.sampled_since(refused), 60, "a sample of the Ready pods after the refusal")
+    assert min(drain.ready_counts) == GROUPS - 1, drain.explain()
     other = _replacements_node(fleet)
     code, output = drain.finish("budget")
     assert code == 0, drain.explain()
@@ -118,6 +120,7 @@ def test_the_budget_holds_while_an_evicted_group_has_no_pod_at_all(fleet: Fleet)
     drain = Drain(fleet, node, NAME, BUDGET)
     try:
         until(lambda: len(fleet.engine_pods(NAME)) < GROUPS, 120, "the first evicted group without a pod")
+        gone = time.monotonic()
         refused = drain.refusals()
         # kubectl retries each refused eviction every 5 s: two rounds for both groups left (or a second group gone,
         # or the drain over, which the assertions below explain)
@@ -125,7 +128,10 @@ def test_the_budget_holds_while_an_evicted_group_has_no_pod_at_all(fleet: Fleet)
               or drain.process.poll() is not None, 120, "two rounds of retried evictions")
         assert drain.ready_now() == GROUPS - 1, drain.explain()
         assert len(fleet.engine_pods(NAME)) == GROUPS - 1, drain.explain()  # the StatefulSet made none
-        assert min(list(drain.ready_counts)) == GROUPS - 1, drain.explain()
+        until(lambda: drain.sampled_since(gone), 60, "a sample of the Ready pods after the first group went")
+        assert min(drain.ready_counts) == GROUPS - 1, drain.explain()
+        print(f"budget, no replacement: {GROUPS - 1} of {GROUPS} groups Ready for {time.monotonic() - gone:.1f} s "
+              f"after the first one's pod was gone; evictions refused {drain.refusals()}")
     finally:
         drain.stop()
 
@@ -160,3 +166,22 @@ def test_control_without_a_budget_the_drain_evicts_every_group_at_once(fleet: Fl
     code, output = drain.finish("no budget")
     assert code == 0, output
     assert REFUSED not in output
+
+
+def test_an_engine_budget_written_as_max_unavailable_is_replaced(fleet: Fleet):
+    """A fleet whose engine budget an earlier operator wrote as ``maxUnavailable``: the API server refuses a budget
+    with both fields (422), so the operator deletes it and creates it as ``minAvailable``."""
+    kubectl = fleet.kubectl
+    resource = example("single-gpu.yaml", kubectl.namespace)
+    resource["spec"]["parallelism"]["data"] = GROUPS
+    resource["spec"]["engine"].update(fleet.gpu_pool(1))
+    fleet.prerequisites(resource)
+    kubectl.apply([{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": BUDGET},
+                    "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(NAME, "engine")},
+                             "unhealthyPodEvictionPolicy": "AlwaysAllow"}}])
+    fleet.operator()
+    kubectl.apply([resource])
+    budget = until(lambda: (b := kubectl.get("pdb", BUDGET)) and "minAvailable" in b["spec"] and b, 60,
+                   "the engine budget written again as minAvailable")
+    assert budget["spec"]["minAvailable"] == GROUPS - 1 and "maxUnavailable" not in budget["spec"], budget["spec"]
+    assert _allowing_one(fleet, BUDGET)["spec"] == budget["spec"]
