@@ -61,6 +61,11 @@ class Release:
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         env["HF_HUB_OFFLINE"] = "1"
         env["TORCH_EXTENSIONS_DIR"] = str(self.outside.parent / "torch_extensions")  # the CPU kernels, built afresh
+        # torch compiles through ccache where it is on PATH (`make setup` installs it). This venv's paths change every
+        # run but not relative to the work directory, the base ccache writes them relative to: a warm cache compiles
+        # nothing. It keys on the preprocessed source, so the library is still the installed sources' (one changed
+        # compiles anew) and the cpu-kernels check below still tests the wheel's own sources.
+        env["CCACHE_BASEDIR"] = str(self.outside.parent)
         return env
 
     def run(self, *argv: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
