@@ -89,14 +89,19 @@ $(VERL_INSTALLED): $(TESTING)
 verl-env: $(VERL_INSTALLED)
 
 # The partition tests cut links inside network namespaces with iptables (tests/chaos); as root, a machine without it
-# gets Debian's package, once. Elsewhere those tests skip and say why.
+# gets Debian's package, once. Elsewhere those tests skip and say why. ccache likewise, best effort and before the
+# venvs (setup and test name it first): torch compiles the CPU kernels through it where it is on PATH, so a build of
+# sources and flags compiled before (a fresh clone's venvs, the release check's) is a cache hit in ~/.cache/ccache.
 SYSTEM_TOOLS := $(VENV)/.installed-system
 $(SYSTEM_TOOLS): $(PY)
 	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || \
 		{ apt-get install -y -qq iptables >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iptables; }; }
+	command -v ccache >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get install -y -qq ccache >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq ccache; }; } || \
+		echo "ccache not installed: the CPU kernels compile without a cache"
 	touch $(SYSTEM_TOOLS)
 
-setup: $(TESTING) $(VERL_INSTALLED) $(SYSTEM_TOOLS)
+setup: $(SYSTEM_TOOLS) $(TESTING) $(VERL_INSTALLED)
 
 # `make-tiny-model` (a random model of any shape) is what the tests that need one make.
 run: $(RUNTIME)
@@ -130,7 +135,7 @@ KUBE_DOWN_EARLY = $(if $(MEGATRON_KUBECONFIG),,--kube-cluster-down-when-unused="
 kube-tools:
 	$(KUBE_CLUSTER) build
 
-test: $(TESTING) $(VERL_INSTALLED) $(SYSTEM_TOOLS) kube-tools
+test: $(SYSTEM_TOOLS) $(TESTING) $(VERL_INSTALLED) kube-tools
 	$(PY) -m compileall -q runtime operator kernels tests > /dev/null
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
 	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \

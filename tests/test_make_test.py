@@ -69,6 +69,19 @@ def test_a_fresh_clone_builds_verls_venv_for_the_suite(tmp_path):
     assert built < suite, dry.stdout
 
 
+def test_setup_and_test_install_ccache_before_they_build_the_cpu_kernels(tmp_path):
+    """torch compiles the CPU kernels through ccache where it is on PATH: on a fresh machine the venvs' first builds
+    go through it only if it is installed before them."""
+    for target in ("setup", "test"):
+        dry = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}",
+                              f"VERL_VENV={tmp_path / 'venv-verl'}"], capture_output=True, text=True, timeout=120)
+        assert dry.returncode == 0, dry.stderr
+        lines = dry.stdout.splitlines()
+        ccache = next(i for i, line in enumerate(lines) if "apt-get install" in line and "ccache" in line)
+        kernels = [i for i, line in enumerate(lines) if "-m megatron_kernels" in line]
+        assert len(kernels) == 2 and ccache < min(kernels), dry.stdout
+
+
 def test_what_the_suite_wrote_to_the_temporary_directory_goes_when_it_fails(tmp_path):
     proc, record = make_test(tmp_path, "fail")
     output, _ = proc.communicate(timeout=120)
