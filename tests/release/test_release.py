@@ -62,9 +62,9 @@ class Release:
         env["HF_HUB_OFFLINE"] = "1"
         env["TORCH_EXTENSIONS_DIR"] = str(self.outside.parent / "torch_extensions")  # the CPU kernels, built afresh
         # torch compiles through ccache where it is on PATH (`make setup` installs it). This venv's paths change every
-        # run but not relative to the work directory, the base ccache writes them relative to: a warm cache compiles
-        # nothing. It keys on the preprocessed source, so the library is still the installed sources' (one changed
-        # compiles anew) and the cpu-kernels check below still tests the wheel's own sources.
+        # run but not relative to the work directory, the base ccache writes them relative to: with a warm cache each
+        # source is preprocessed, not compiled. It keys on the preprocessed source, so the library is still the
+        # installed sources' (one changed compiles anew) and the cpu-kernels check still tests the wheel's own sources.
         env["CCACHE_BASEDIR"] = str(self.outside.parent)
         return env
 
@@ -163,6 +163,7 @@ def test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources(release
     report = release.installed_check("cpu-kernels")
     assert all(report["built"].values()) and all(report["match_reference"].values()), report
     site = (release.venv / "lib").resolve()
+    # built from these sources even on a ccache hit: ccache keys on the preprocessed source (Release.env)
     assert len(report["sources"]) == 3 and all(Path(source).is_relative_to(site) for source in report["sources"])
 
 
