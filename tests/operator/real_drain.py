@@ -19,6 +19,10 @@ from .real_fleet import Fleet
 
 #: What ``kubectl drain`` prints for an eviction the budget refused (the Eviction API's 429); it retries after 5 s.
 REFUSED = "would violate the pod's disruption budget"
+#: Seconds between the watcher's samples: far finer than the drain's 5 s retries and kwok's sub-second replacements,
+#: and a pace of its own (an in-process read takes ~3 ms; unpaced, the watcher kept the API server busy with ~1,400
+#: reads a drain, where a kubectl process per read used to pace it at ~50).
+SAMPLE_INTERVAL = 0.05
 
 
 def ready(pod: dict[str, Any]) -> bool:
@@ -74,6 +78,7 @@ class Drain:
                 pods, budget = self.sample()
             except AssertionError as exc:  # kubectl failed (a loaded API server): the next sample tells
                 self.timeline.append(f"+{began - self.started:.2f}s sample failed: {exc}")
+                time.sleep(SAMPLE_INTERVAL)
                 continue
             self.samples.append((began, sum(map(ready, pods))))
             state = (f"Ready {sorted(p['metadata']['name'] for p in pods if ready(p))}; pods "
@@ -83,6 +88,7 @@ class Drain:
             if state != last:
                 self.timeline.append(f"+{time.monotonic() - self.started:.2f}s {state}")
                 last = state
+            time.sleep(SAMPLE_INTERVAL)
 
     def sample(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """The engine pods and the budget, read in one request."""
