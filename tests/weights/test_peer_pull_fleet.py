@@ -26,6 +26,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port, greedy_tokens
+from .fleet_dump import dump_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -72,13 +73,21 @@ async def kill(proc: subprocess.Popen, client: InferenceClient, left: int) -> No
     await engines_until(client, lambda engines: len(engines) == left, 60)
 
 
-async def served_alone(client: InferenceClient) -> list:
-    return await asyncio.wait_for(asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS)), 120)
+async def served_alone(client: InferenceClient, children: Children, log_dir: Path) -> list:
+    """The prompts' answers, within 120 s; when they take over 30 s the fleet's stacks, STATUS and logs are printed
+    (a hang seen once under load is then read from the failure's output)."""
+    answers = asyncio.ensure_future(asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS)))
+    try:
+        return await asyncio.wait_for(asyncio.shield(answers), 30)
+    except TimeoutError:
+        await dump_fleet(children, client, log_dir)
+    return await asyncio.wait_for(answers, 90)
 
 
 async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(models, tmp_path):
-    (tmp_path / "logs").mkdir()
-    children = Children(tmp_path / "logs")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    children = Children(logs)
     port = free_port()
     try:
         children.coordinator(models.a, port, "--heartbeat-timeout", "3")
@@ -90,13 +99,13 @@ async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(model
             ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=60).send(policy, epoch=1), 120)
             assert ack["detail"]["epoch"] == 1
             await client.unpause()
-            assert [r.generated_tokens for r in await served_alone(client)] == models.expected.b
+            assert [r.generated_tokens for r in await served_alone(client, children, logs)] == models.expected.b
 
             # a new engine joins: it pulls epoch 1 from the first, then serves alone
             joiner = children.engine(models.a, port, "--group", "1")
             await engines_until(client, serving(2))
             await kill(first, client, left=1)
-            outs = await served_alone(client)
+            outs = await served_alone(client, children, logs)
             assert [r.generated_tokens for r in outs] == models.expected.b
             assert all(set(r.policy_epochs) == {1} for r in outs)
 
@@ -107,7 +116,7 @@ async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(model
             await kill(joiner, client, left=1)
             status = await client.status()
             assert status["epoch"] == 1 and [e["epoch"] for e in status["engines"]] == [1]
-            outs = await served_alone(client)
+            outs = await served_alone(client, children, logs)
             assert [r.generated_tokens for r in outs] == models.expected.b
             assert all(set(r.policy_epochs) == {1} for r in outs)
 
@@ -126,8 +135,9 @@ async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, tmp
     each layout joins: each of its ranks pulls from the same rank of the live group of its layout (the tensor-parallel
     ranks their slices, the stages their layers), all pairs at once. With the live groups killed, the joiners alone
     serve B's tokens (==), epoch 1 on every token, both of them."""
-    (tmp_path / "logs").mkdir()
-    children = Children(tmp_path / "logs")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    children = Children(logs)
     port = free_port()
     pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
     layouts = (("--tensor-parallel", "2", *pair), ("--pipeline-parallel-size", "2", *pair))
@@ -150,7 +160,8 @@ async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, tmp
                 await kill(donor, client, left=4 - donors.index(donor) - 1)
             status = await client.status()
             assert sorted(e["group"] for e in status["engines"]) == [2, 3]
-            outs = [*await served_alone(client), *await served_alone(client)]  # round robin: both joiners serve
+            # round robin: both joiners serve
+            outs = [*await served_alone(client, children, logs), *await served_alone(client, children, logs)]
             assert [r.generated_tokens for r in outs] == models.expected.b * 2
             assert all(set(r.policy_epochs) == {1} for r in outs)
             counted = {e["group"]: ((e["metrics"] or {}).get("counters") or {}).get("generation_tokens", 0)

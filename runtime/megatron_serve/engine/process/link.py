@@ -60,6 +60,9 @@ class CoordinatorLink:
         self.ctx = context or zmq.Context.instance()
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.stats: dict[str, Any] = {}  # replaced wholesale by the main thread; sent with each heartbeat
+        # The session whose registration the main thread finished (:meth:`registered`): until then the heartbeats
+        # carry no ``progress``, whatever the stats say (see _heartbeat).
+        self._serving_session = 0
         self._pipe_name = f"inproc://engine-link-{uuid.uuid4().hex}"
         self._tx = self.ctx.socket(zmq.PAIR)  # main thread's end
         self._tx.bind(self._pipe_name)
@@ -73,6 +76,21 @@ class CoordinatorLink:
     @property
     def session(self) -> int:
         return self.connection.session
+
+    def registered(self, session: int) -> None:
+        """The main thread finished registering ``session`` (the engine holds what the fleet serves, its weights
+        pulled included): its loop's count goes out with the heartbeats again."""
+        self._serving_session = session
+
+    def _heartbeat(self, engine_id: str | None) -> dict[str, Any]:
+        """The next heartbeat's body. While the main thread registers (a pull of the fleet's weights may take
+        minutes) its loop's count says nothing: the first heartbeat after a HELLO_ACK, sent at once by this thread,
+        carried the count of the loop before the registration, and the coordinator took a joiner that was still
+        pulling for one whose step loop served (its stall clock ran; a caller waiting for it to serve went on)."""
+        body = {"engine_id": engine_id, **self.stats}
+        if self._serving_session != self.connection.session:
+            body.pop("progress", None)
+        return body
 
     @property
     def heartbeat_interval(self) -> float:
@@ -136,8 +154,7 @@ class CoordinatorLink:
         try:
             while True:
                 now = time.monotonic()
-                frames, reconnect = conn.due(now, {"engine_id": conn.ack.engine_id if conn.ack else None,
-                                                   **self.stats})
+                frames, reconnect = conn.due(now, self._heartbeat(conn.ack.engine_id if conn.ack else None))
                 if reconnect:
                     poller.unregister(sock)
                     poller.unregister(monitor)

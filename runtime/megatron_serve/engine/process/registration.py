@@ -18,10 +18,9 @@ logger = logging.getLogger("megatron_serve.engine_process")
 
 
 def on_registered(shell: Shell, ack: HelloAck, session: int) -> None:
-    # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's
-    # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
+    # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's count says nothing,
+    # and heartbeats carry none (the coordinator reads that as "unknown") until ``link.registered(session)``.
     link, engine = shell.link, shell.engine
-    link.stats = {k: v for k, v in link.stats.items() if k != "progress"}
     if shell.session:
         dropped = engine.take_unfinished_requests(forget_transfers=True)
         logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
@@ -43,3 +42,4 @@ def on_registered(shell: Shell, ack: HelloAck, session: int) -> None:
     if shell.drain_deadline is not None:
         shell.send(Header.DRAINING, {"engine_id": shell.engine_id})
     shell.publish_stats(force=True)
+    link.registered(session)
