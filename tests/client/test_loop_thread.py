@@ -12,23 +12,24 @@ import threading
 from megatron_serve.client.loop_thread import EventLoopThread
 
 
+async def _until_cancelled(cancelled: threading.Event) -> None:
+    """Wait forever; record the cancellation that ends it."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 def _task_that_records_its_end(loop_thread: EventLoopThread) -> threading.Event:
     cancelled = threading.Event()
 
-    async def forever() -> None:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+    async def start() -> None:
+        asyncio.ensure_future(_until_cancelled(cancelled))
+        await asyncio.sleep(0)
 
-    loop_thread.run(_start(forever))
+    loop_thread.run(start())
     return cancelled
-
-
-async def _start(coro_fn) -> None:  # noqa: ANN001 - a coroutine function
-    asyncio.ensure_future(coro_fn())
-    await asyncio.sleep(0)
 
 
 def test_a_teardown_that_overruns_is_cut_short_and_the_tasks_left_are_cancelled() -> None:
@@ -36,18 +37,11 @@ def test_a_teardown_that_overruns_is_cut_short_and_the_tasks_left_are_cancelled(
     left_running = _task_that_records_its_end(loop_thread)
     teardown_cancelled = threading.Event()
 
-    async def teardown_that_never_ends() -> None:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            teardown_cancelled.set()
-            raise
-
-    loop_thread.close(teardown_that_never_ends(), timeout=0.2)  # raises nothing
+    loop_thread.close(_until_cancelled(teardown_cancelled), timeout=0.2)  # raises nothing
     assert left_running.is_set(), "a task left on the loop was not cancelled"
     assert teardown_cancelled.is_set(), "the overrunning teardown was not cancelled"
     assert loop_thread.loop.is_closed()
-    loop_thread.close(teardown_that_never_ends())  # idempotent: a closed loop runs nothing
+    loop_thread.close(_until_cancelled(threading.Event()))  # idempotent: a closed loop runs nothing
 
 
 def test_a_failing_teardown_still_stops_the_loop() -> None:
