@@ -4,13 +4,15 @@ An engine builds every adapter before the first policy tensor reaches a live wei
 (:func:`~megatron_serve.engine.verbs.refit_targets.route`) hands them over before yielding any policy pair, and a refusal
 there stops the stream with nothing yielded. A rendezvous
 that lists adapters outside a sharded refit, or one twice, is refused. A peer pull copies a donor's state byte for
-byte over a real gloo pair, and refuses a donor of another layout or epoch before any byte moves.
+byte over a real gloo pair, and refuses a donor of another layout or epoch before any byte moves; a donor that is
+gone fails the pull at once.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.engine.verbs.refit_targets import route
 from megatron_serve.weights.adapters import adapter_tensor, adapters_first, split_name
-from megatron_serve.weights.peer_pull import PeerSource, PeerWeights, layout_digest
+from megatron_serve.weights.peer_pull import REACH_S, PeerSource, PeerWeights, layout_digest
 from megatron_serve.wire.messages import LoraPush, PeerShare, PieceSpec, Rendezvous, TensorSpec
+
+from ..helpers import free_port
 
 PUSH = LoraPush(name="math.v2", version=3, rank=4, alpha=8.0)
 
@@ -122,3 +126,14 @@ def test_a_donor_of_another_layout_or_epoch_is_refused_before_any_byte_moves(mod
     with pytest.raises(ValueError, match="serves epoch 1, not the fleet's 2"):
         _pull(donor, same_layout, 1, 2)
     assert all(torch.equal(joiner.state_dict()[n], t) for n, t in before.items())
+
+
+def test_a_pull_from_a_donor_that_is_gone_fails_at_once(models):
+    """The donor died between the coordinator's pairing and the pull (its store no longer listens): the joiner's pull
+    fails within the reach time, not after the pull's whole timeout (120 s here) while requests wait on the joiner."""
+    _, joiner = models
+    gone = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"store at 127.0.0.1:{gone} did not answer .* its engine is gone"):
+        list(PeerSource(f"127.0.0.1:{gone}", secrets.token_hex(16), 1, 120.0, "rendezvous://t").tensors(joiner))
+    assert time.monotonic() - started < 3 * REACH_S

@@ -21,6 +21,7 @@ every rank and the joiner's registration, which ends it, as a checkpoint it cann
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import pickle
@@ -39,6 +40,11 @@ from .digests import forget_digests
 logger = logging.getLogger("megatron_serve.weights")
 
 BUCKET_BYTES = 64 << 20
+#: Seconds a joiner tries to reach its donor's store. The store listens from before the coordinator hands its address
+#: out, for as long as the donor lives: when it does not answer, the donor died (killed between the pairing and the
+#: pull), and the pull fails now, not after the whole pull's timeout (the weights deadline, 15 minutes by default)
+#: in which TCPStore's client retried while the requests routed to the joiner waited.
+REACH_S = 10.0
 _ALIGN = 64  # every tensor starts at a multiple: a bucket's bytes view as any dtype in place
 _DONOR, _READY, _REFUSED = "peer/donor", "peer/ready", "peer/refused"
 _CPU = torch.device("cpu")
@@ -208,7 +214,7 @@ class PeerSource:
         forget_digests(model)  # a later delta must compare against nothing this rank was sent by a trainer
         rank, ranks = model.tp.engine_rank, group_ranks(model)
         deadline = time.monotonic() + self.timeout_s
-        store = transfer.connect(self.address, self.prefix, self.timeout_s)
+        store = self._donor_store()
         refused = lambda: store.check([_REFUSED])  # noqa: E731 - another rank of either engine gave up
         try:
             donor = pickle.loads(transfer.wait_for_key(store, f"{_DONOR}/{rank}", deadline, refused))
@@ -225,6 +231,17 @@ class PeerSource:
         transfer.commit_after(transfer.process_group(store, ranks + rank, 2 * ranks, "gloo", self.timeout_s, host),
                               _CPU, lambda group: _receive_state(model, group, rank))
         yield from ()
+
+    def _donor_store(self) -> dist.PrefixStore:
+        """The donor's store, reached within :data:`REACH_S` (or raises: its engine is gone), then waited on for the
+        pull's whole timeout."""
+        try:
+            store = transfer.connect(self.address, self.prefix, min(REACH_S, self.timeout_s))
+        except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError
+            raise RuntimeError(f"the donor's store at {self.address} did not answer within {REACH_S:g}s: its engine is "
+                               f"gone ({str(exc).splitlines()[0]})") from None
+        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        return store
 
     def _problem(self, donor: dict, model: LlamaForCausalLM, rank: int, ranks: int) -> str | None:
         if donor.get("ranks", 1) != ranks:
