@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,10 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import get_rollout_replica_class
+
+#: No metrics: every Ray process would collect them and export them to the metrics agent each report period, for
+#: nobody (the run has no dashboard and nothing scrapes them).
+RAY_CONFIG = {"enable_metrics_collection": False}
 
 GREEDY = {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
           "max_tokens": 8, "ignore_eos": True}
@@ -91,6 +96,12 @@ async def main(model_a: str, model_b: str, prompts: list[list[int]], work: Path)
     await replica.sleep()
     await replica.wake_up()
     woken = await generations(replica, prompts, "woken")
+    # Every actor ends here, killed: left to ray.shutdown, an async actor (the servers) or one that outlives the
+    # raylet exits through Python's whole finalization (seconds, a CPU-s or so each with torch and verl loaded)
+    # where a killed one exits at once. A server's megatron-serve run ends with its actor either way (the actor
+    # holds its lifeline).
+    for actor in [*attached.servers, *replica.servers, *attached.workers, *replica.workers, *trainer.workers]:
+        ray.kill(actor)
     return {"address": replica.server_address, "before": before, "after": after, "woken": woken,
             "attached": {"address": attached.server_address, "outputs": through_attached},
             "updates_left": sorted(p.name for p in (work / "updates").iterdir())}
@@ -99,9 +110,13 @@ async def main(model_a: str, model_b: str, prompts: list[list[int]], work: Path)
 if __name__ == "__main__":
     model_a, model_b, prompts_json, work_dir = sys.argv[1:5]
     # Ray's processes keep their session under the run's work directory: the test finds any left behind by it
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=str(Path(work_dir) / "ray"))
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=str(Path(work_dir) / "ray"),
+             _system_config=RAY_CONFIG)
     try:
         result = asyncio.run(main(model_a, model_b, json.loads(prompts_json), Path(work_dir)))
     finally:
         ray.shutdown()
     print(json.dumps(result), flush=True)
+    # Ray is down and the answer written: Python's finalization of a process holding torch, verl and Ray would
+    # still spend a CPU-s or more tearing down modules, for a process that is about to end anyway.
+    os._exit(0)
