@@ -11,8 +11,8 @@ from fastapi import FastAPI
 from .api_key import APIKeyGuard
 from .context import ServerContext
 from .errors import APIError
-from .models import ModelCard, ModelList
 from .openapi_doc import error_responses
+from .service_models import ModelCard, ModelList
 
 
 def _model_card(ctx: ServerContext) -> ModelCard:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
 from .fleet import HELD
-from .models import HealthResponse, ReadyResponse
+from .service_models import HealthResponse, ReadyResponse
 
 
 def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
