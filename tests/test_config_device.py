@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from megatron_serve import config
+from megatron_serve.processes import devices
 
 
 def test_the_default_device_is_torchs_answer():
-    assert config.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert config._torch_built_for_gpus() == (torch.version.cuda is not None or torch.version.hip is not None)
+    assert devices.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert devices._torch_built_for_gpus() == (torch.version.cuda is not None or torch.version.hip is not None)
 
 
 @pytest.mark.parametrize(("version_py", "gpus"), [
@@ -24,15 +25,15 @@ def test_the_default_device_is_torchs_answer():
     ("cuda = None\n", True),  # hip unsaid: torch is asked
 ])
 def test_a_build_for_gpus_is_read_from_torchs_version_file(version_py, gpus):
-    assert config.names_gpu_version(version_py) is gpus
+    assert devices.names_gpu_version(version_py) is gpus
 
 
 def test_a_config_of_default_dtype_is_made_and_sent_without_torch():
     code = ("import sys; from megatron_serve.config import InferenceConfig; c = InferenceConfig(); "
             "print(c.device, c.to_dict()['dtype'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    torch_asked = config._torch_built_for_gpus() and config.gpu_driver_present()
-    assert out == [config.default_device(), "None", str(torch_asked)]
+    torch_asked = devices._torch_built_for_gpus() and devices.gpu_driver_present()
+    assert out == [devices.default_device(), "None", str(torch_asked)]
 
 
 @pytest.mark.parametrize(("paths", "present"), [
@@ -50,7 +51,7 @@ def test_a_gpu_driver_is_seen_by_its_device_files(tmp_path, monkeypatch, paths, 
     for path in paths:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
-    assert config.gpu_driver_present(tmp_path) is present
+    assert devices.gpu_driver_present(tmp_path) is present
 
 
 def test_a_named_dtype_becomes_torchs_and_is_sent_by_name():
