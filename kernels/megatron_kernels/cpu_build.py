@@ -10,10 +10,17 @@ rebuilt copy of a library it holds registers its ops twice, which torch aborts o
 ``ninja`` and ``setuptools``; where a source cannot be built, the ops it serves stay on the PyTorch reference, with
 one warning that says why. ``python -m megatron_kernels`` builds them all ahead of time (``make setup`` does for
 each venv, and an image can), so that no engine's first step waits for a compiler.
+
+torch serializes the processes that build or load one library with a lock *file* in its build directory, taken at
+every load (ninja then finds nothing to do) and waited on while it exists: a process killed holding it (an engine
+stopped with SIGKILL in its first step) left every later load of that library waiting forever. Here the loads of a
+library take an ``flock`` of their own first, which the kernel releases when its holder dies; under it, a lock file
+left in the directory can only be a dead process's, and goes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
@@ -71,8 +78,13 @@ def _build_and_load(source: str) -> bool:
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415 - imports setuptools; only when a CPU engine needs it
 
-        cpp_extension.load(name=f"megatron_cpu_{source}_{build_tag(path)}", sources=[str(path)],
-                           extra_cflags=compile_flags(SOURCES[source]), is_python_module=False)
+        name = f"megatron_cpu_{source}_{build_tag(path)}"
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))  # made if missing
+        with open(directory / "megatron-build.flock", "a") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)  # released at the block's end, or by the kernel if this process dies
+            (directory / "lock").unlink(missing_ok=True)  # torch's lock file, left by a process that died holding it
+            cpp_extension.load(name=name, sources=[str(path)], extra_cflags=compile_flags(SOURCES[source]),
+                               is_python_module=False)
     except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as error:
         logger.warning("the CPU kernels of %s.cpp could not be built (%s); their ops run the PyTorch reference "
                        "(slower). They need a C++ compiler, ninja and setuptools.", source,
