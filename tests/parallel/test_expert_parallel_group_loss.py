@@ -21,7 +21,7 @@ from megatron_serve.model.loader import build_model
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from tests.helpers import rank_processes, until
-from tests.run_stack import complete, restart_lines, start_run, stream
+from tests.run_stack import child_pids, complete, restart_lines, start_run, stream
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,6 +65,9 @@ async def test_a_killed_rank_restarts_its_group_and_every_stream_completes(tmp_p
             os.kill(engine, signal.SIGSTOP)
             try:
                 [follower] = rank_processes(engine)
+                # forked by the engine itself, whose lifeline thread holds no lock: no fork server importing torch
+                # again (2 s of CPU a group start) beside it
+                assert follower in child_pids(engine), f"rank {follower} is not the engine's own child"
                 assert not any(task.done() for task in tasks), "the streams ended before the kill: nothing is tested"
                 os.kill(follower, signal.SIGKILL)
             finally:

@@ -28,6 +28,9 @@ import sys
 import threading
 
 LIFELINE_ENV = "MEGATRON_SERVE_LIFELINE"
+#: The name of a child's watching thread. It only ever blocks in ``read`` and holds no lock, so a fork taken while it
+#: runs is as safe as one taken with no thread (the engine command forks its ranks so: engine.group.spawn).
+WATCH_THREAD = "megatron-serve-lifeline"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -72,7 +75,7 @@ def hold_lifeline() -> None:
     """In a child started with a :class:`Lifeline`: die with the parent (nothing to do without one)."""
     fd = arm_lifeline()
     if fd is not None:
-        threading.Thread(target=_watch, args=(fd,), name="megatron-serve-lifeline", daemon=True).start()
+        threading.Thread(target=_watch, args=(fd,), name=WATCH_THREAD, daemon=True).start()
 
 
 def arm_lifeline() -> int | None:

@@ -9,8 +9,8 @@ forking it is as safe as spawning; each rank still imports the parent's ``__main
 rank 0's environment as it is when the rank starts (the fork server keeps the one it started with).
 
 The ``engine`` command's process forks its ranks itself instead (:func:`fork_ranks_here`): its ``__main__`` is the
-command's, and when its group starts nothing has run in it but argument parsing and logging, so the fork server's
-interpreter and its torch import (most of a rank's start) buy nothing there."""
+command's, and when its group starts nothing has run in it but argument parsing, logging and (in a local fleet) the
+lifeline's watch, so the fork server's interpreter and its torch import (most of a rank's start) buy nothing there."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ...config import InferenceConfig
 from ...model.parallel import TensorParallel
+from ...processes.lifeline import WATCH_THREAD
 from .channel import PlanChannel
 from .follower import run_worker
 from .membership import running
@@ -58,9 +59,16 @@ def fork_ranks_here() -> None:
     _fork_here = True
 
 
+def forks_safely() -> bool:
+    """Whether a fork of this process now copies no lock another thread holds: no thread runs but the main one and
+    the lifeline's watch (a local fleet's engine has one from its first line; it holds none), and CUDA is not up."""
+    others = [thread for thread in threading.enumerate() if thread is not threading.main_thread()]
+    return all(thread.name == WATCH_THREAD for thread in others) and not torch.cuda.is_initialized()
+
+
 def rank_context() -> multiprocessing.context.BaseContext:
     """How this process starts its ranks: forked from it (:func:`fork_ranks_here`), else from the fork server."""
-    if _fork_here and threading.active_count() == 1 and not torch.cuda.is_initialized():
+    if _fork_here and forks_safely():
         return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # read when the server starts: once a process
