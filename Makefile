@@ -122,6 +122,11 @@ run: $(RUNTIME)
 # Under CI (CI=true) -vv names each test as it ends.
 TEST_WORKERS ?= 4
 TEST_ARGS ?= $(if $(CI),-vv)
+# The day-2 scenarios (tests marked `scenario`: a rolling update and a node drain, an HPA's 1 -> 3 -> 1 and wake from
+# zero, each under streamed load on the real control plane, with their controls) run where CI is set, as `.ci/run` sets
+# it, or SCENARIOS=1; a developer's `make test` leaves them out (docs/testing.md has the figures).
+SCENARIOS ?= $(CI)
+TEST_MARKS = $(if $(SCENARIOS),,-m "not scenario")
 # The operator's suites run on a real control plane (tools/kube-cluster: etcd, kube-apiserver, controller-manager,
 # scheduler, kwok's GPU nodes, LWS), brought up in the suite's temporary directory before pytest and taken down after
 # it, however it ends; MEGATRON_KUBECONFIG=<a kind or cloud cluster's kubeconfig> uses that cluster instead.
@@ -140,7 +145,7 @@ test: $(SYSTEM_TOOLS) $(TESTING) $(VERL_INSTALLED) kube-tools
 	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/ms-test.XXXXXX") || exit 1; trap : INT TERM; \
 	$(KUBE_UP) || { $(KUBE_CLUSTER) down "$$tmp/kube"; rm -rf "$$tmp"; exit 1; }; \
 	env -u PYTHONDONTWRITEBYTECODE TMPDIR="$$tmp" $(KUBE_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		--durations=30 $(KUBE_DOWN_EARLY) $(TEST_ARGS); \
+		--durations=30 $(KUBE_DOWN_EARLY) $(TEST_MARKS) $(TEST_ARGS); \
 	status=$$?; $(if $(MEGATRON_KUBECONFIG),,$(KUBE_CLUSTER) down "$$tmp/kube";) rm -rf "$$tmp"; exit $$status
 
 test-fast: $(TESTING)

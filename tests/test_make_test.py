@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import wait_until
@@ -50,11 +51,45 @@ def make_test(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
     keep = [arg for path in INSTALLED for arg in ("-o", path)]
     env = {**os.environ, "TMPDIR": str(tmp_path), "KUBECONFIG": str(tmp_path / "kubeconfig")}
     env.pop("CI", None)
+    # SIGINT as a terminal's Ctrl-C finds it: a suite started in the background by a non-interactive shell (`... &`)
+    # inherits SIGINT ignored, and a shell cannot trap a signal ignored when it started, so the stand-in never ended
     proc = subprocess.Popen(["make", "-C", str(ROOT), "--no-print-directory", *keep, "test", f"PY={stand_in}",
                              f"KUBE_CLUSTER={kube_stand_in}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     return proc, record
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def suite_command(**variables: str) -> str:
+    """The pytest command of ``make -n test`` with ``variables`` set in make's environment (CI unset otherwise)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("CI", "SCENARIOS")}
+    dry = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "-n", "test"], capture_output=True,
+                         text=True, timeout=120, env={**env, **variables})
+    assert dry.returncode == 0, dry.stderr
+    return dry.stdout[dry.stdout.index("-m pytest"):].split("status=")[0]  # the command's continued lines
+
+
+def test_a_developers_make_test_leaves_the_day2_scenarios_to_ci():
+    """The tests marked ``scenario`` (minutes of streamed load on the real control plane each) run under CI, which
+    sets CI=true, or with SCENARIOS=1; a developer's warm ``make test`` leaves them out to stay within its time."""
+    assert '-m "not scenario"' in suite_command()
+    assert "not scenario" not in suite_command(CI="true")
+    assert "not scenario" not in suite_command(SCENARIOS="1")
+
+
+def test_the_day2_scenarios_are_marked(tmp_path):
+    """What `-m "not scenario"` leaves out: the rolling update and drain, the HPA and wake-from-zero files, and no
+    other test."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                             "-m", "scenario", "tests/operator"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    files = {line.split("::")[0] for line in listed.stdout.splitlines() if "::" in line}
+    assert files == {"tests/operator/test_real_under_load.py", "tests/operator/test_real_hpa.py",
+                     "tests/operator/test_real_scale_to_zero.py"}, listed.stdout
 
 
 def test_a_fresh_clone_builds_verls_venv_for_the_suite(tmp_path):

@@ -42,7 +42,7 @@ from .real_engines import EnginesHere, engines_here  # noqa: F401 - the fixture
 from .real_load import STREAMS, Load, uninterrupted
 from .real_tools import condition, service_account_kubeconfig, until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 NAME = "tiny"
 MAX_GROUPS = 3

@@ -42,7 +42,7 @@ from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
 from .real_kubelet import Kubelet, set_ready
 from .real_tools import MI, until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.scenario, pytest.mark.timeout(600)]
 
 NAME = "tiny"
 HOLD = 240  # spec.server.scaleFromZero.timeoutSeconds: covers an engine's cold start on a loaded 2-core host

@@ -36,7 +36,7 @@ from .real_kubelet import Kubelet, pod_ready, running
 from .real_load import STREAMS, Load
 from .real_tools import condition, until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.scenario, pytest.mark.timeout(900)]
 
 NAME = "tiny"
 GROUPS = 2
