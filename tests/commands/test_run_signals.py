@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-from tests.helpers import wait_until
+from tests.helpers import free_port, rank_processes, wait_until
+from tests.run_stack import child_pids, role_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -88,17 +88,63 @@ def test_a_signal_while_the_model_loads_exits_as_it_does_once_ready(tiny_llama, 
         assert READY not in output and "Traceback" not in output, output
 
 
-@pytest.mark.parametrize("layout", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_parallel_engine_stopped_leaves_no_fork_server_folder(tiny_llama, layout, signum):
-    """A TP=2 or PP=2 engine starts its second rank from multiprocessing's fork server, whose socket lives in a
-    ``pymp-*`` folder; the engine process ends with ``os._exit``, which left the folder behind at every stop."""
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("layout, signum", [("--tensor-parallel-size", signal.SIGINT),
+                                            ("--pipeline-parallel-size", signal.SIGTERM)])
+def test_a_parallel_engine_forks_its_ranks_and_stopped_leaves_no_fork_server_folder(tiny_llama, layout, signum):
+    """A TP=2 or PP=2 engine forks its second rank itself (engine/group/spawn.py), no multiprocessing fork server
+    beside it, so a stop by either signal leaves no ``pymp-*`` folder (the fork server's, which an engine ending
+    with ``os._exit`` left behind at every stop). Each layout once and each signal once: the signals' exit codes at
+    every stage are the tests above's."""
     with serving(tiny_llama, layout, "2") as (proc, log, tmpdir):
         wait_for(proc, log, READY)
-        assert left(tmpdir, "pymp-*"), "no fork server folder while serving: the test tests nothing"
+        engines = [pid for pid in child_pids(proc.pid) if role_of(pid) == "engine"]
+        ranks = [rank for engine in engines for rank in rank_processes(engine)]
+        assert len(engines) == 1 and len(ranks) == 1, (engines, ranks)
+        assert parent_of(ranks[0]) == engines[0], "the rank is not the engine's own child: a fork server started it"
+        assert left(tmpdir, "pymp-*") == []
         os.killpg(proc.pid, signum)
         assert proc.wait(120) == (130 if signum == signal.SIGINT else 0), log.read_text()[-3000:]
         assert left(tmpdir, "pymp-*") == []
+
+
+def made_and_removed(tmpdir: Path, remove: bool) -> int:
+    """In a child forked from this process (spawn.py and torch imported here: the child imports nothing): make this process's multiprocessing
+    folder under ``tmpdir`` as a fork server's start does, remove it or not, and end by ``os._exit`` as the engine
+    command does; the child's exit code."""
+    from multiprocessing import current_process, util  # noqa: PLC0415
+
+    from megatron_serve.engine.group.spawn import remove_fork_server_directory  # noqa: PLC0415
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            tempfile.tempdir = str(tmpdir)
+            current_process()._config.pop("tempdir", None)  # the parent's folder, if it has one, is not the child's
+            util.get_temp_dir()
+            if remove:
+                remove_fork_server_directory()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_an_engine_that_used_the_fork_server_removes_its_folder_before_os_exit(tmp_path):
+    """Where the engine's ranks still come from the fork server (another thread running, CUDA up: spawn.py's
+    ``forks_safely``), its ``pymp-*`` folder goes with ``remove_fork_server_directory`` before the engine's
+    ``os._exit``; without it (the control) the folder stays."""
+    kept, removed = tmp_path / "kept", tmp_path / "removed"
+    kept.mkdir()
+    removed.mkdir()
+    assert made_and_removed(kept, remove=False) == 0
+    assert made_and_removed(removed, remove=True) == 0
+    assert left(kept, "pymp-*"), "the control left no folder: the test tests nothing"
+    assert left(removed, "pymp-*") == []
 
 
 def test_kill_9_of_a_run_with_two_api_servers_leaves_no_private_folder(tiny_llama):
