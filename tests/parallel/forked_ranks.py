@@ -4,7 +4,9 @@ code (``os._exit``: no teardown of what the parent imported); the ranks meet ove
 
 The children share their parent's stdout, and gloo or torch may write lines of their own to it: a rank tells its
 result with :func:`report` (one marked line in one write, whole however the ranks interleave), and the test reads
-the marked lines alone with :func:`reports`."""
+the marked lines alone with :func:`reports`. A test forks its ranks from its own process with :func:`forked_reports`
+(it has imported torch already); a script whose ranks need a process apart from the test's (an environment or a
+patched module of their own) forks them with :func:`fork_ranks`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 
 #: What starts a rank's report on the shared stdout.
@@ -32,12 +36,36 @@ def reports(output: str) -> list[list[str]]:
 def fork_ranks(target: Callable[..., Any], calls: Iterable[tuple]) -> int:
     """``target(*args)`` for each ``args`` of ``calls``, each in a child forked from this process, all at once;
     returns how many children failed (a traceback printed for each), once all have exited."""
+    return _failed(_fork(target, calls, None))
+
+
+def forked_reports(target: Callable[..., Any], calls: Iterable[tuple]) -> tuple[int, list[list[str]]]:
+    """:func:`fork_ranks` from the test's own process, which has imported what the ranks run (no script started to
+    import it again): each child's stdout is a pipe read here (pytest holds the test's). Returns how many children
+    failed and their reports (:func:`reports`)."""
+    read, write = os.pipe()
+    try:
+        children = _fork(target, calls, write)
+    finally:
+        os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        output = pipe.read().decode(errors="replace")  # the end of the file once every child has exited
+    return _failed(children), reports(output)
+
+
+def _fork(target: Callable[..., Any], calls: Iterable[tuple], stdout: int | None) -> list[int]:
     children = []
+    sys.stdout.flush()  # what this process holds unwritten would be written again by each child
+    sys.stderr.flush()
     for args in calls:
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                if stdout is not None:
+                    os.dup2(stdout, 1)
+                # a parent that ran OpenMP's thread pool leaves it unusable here: a parallel region would hang
+                torch.set_num_threads(1)
                 target(*args)
                 code = 0
             except BaseException:  # noqa: BLE001 - printed, and the exit code says it
@@ -47,4 +75,8 @@ def fork_ranks(target: Callable[..., Any], calls: Iterable[tuple]) -> int:
                 sys.stderr.flush()
                 os._exit(code)
         children.append(pid)
+    return children
+
+
+def _failed(children: list[int]) -> int:
     return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children)

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 from megatron_serve import InferenceConfig, SamplingParams
+from megatron_serve.engine.group.data_parallel import agree_turn
 from megatron_serve.engine.group.placement import data_parallel_placement
+from megatron_serve.engine.group.turns import HeldVerb
 from megatron_serve.model.loader import build_model, load_model
 from megatron_serve.model.parallel import DataParallel, TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
@@ -31,9 +35,11 @@ from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 
 from ..fp8_checkpoints import block_fp8_checkpoint
+from ..helpers import free_port
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 from .data_parallel_runs import Case, Launcher, Request, Served, graph_log, serve_cases
+from .forked_ranks import forked_reports, report
 
 ALONE = PROMPTS[4:5]
 # Each rank's prompts served together (first run), then rank 0's one request alone while the others idle (second):
@@ -342,7 +348,7 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     from megatron_serve.model.loader import checkpoint_tensors
     from megatron_serve.wire.request import RequestStatus
 
-    from ..helpers import Children, free_port, hosted_rendezvous
+    from ..helpers import Children, hosted_rendezvous
 
     model_dir, new_dir = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2,
                                               **VARIANTS["qwen3_moe"])) for name, seed in (("m", 1), ("n", 2)))
@@ -397,18 +403,25 @@ def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all
     may get it a turn of the lockstepped step loop later than another. Acting at once, the first would wait in the
     transfer for the second, while the second waits in the turn's all-reduce for the first (until the transfer timed
     out, missing the second engine's ranks). Held, every leader acts at the first turn in which all hold theirs."""
-    import os
-    import subprocess
-    import sys
-
-    from ..helpers import free_port
-    from .forked_ranks import reports
-
     arrivals = [0, 5]  # the copies reach the two leaders at turns 0 and 5 (a third, between, adds only a process)
-    script = os.path.join(os.path.dirname(__file__), "held_verb_ranks.py")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.Popen([sys.executable, script, *map(str, arrivals)], env=env, stdout=subprocess.PIPE, text=True)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0
-    acted = [[turn for rank_, turn in reports(output) if rank_ == str(rank)] for rank in range(len(arrivals))]
+    port = free_port()
+    failed, said = forked_reports(lead, [(rank, len(arrivals), arrives, port) for rank, arrives in enumerate(arrivals)])
+    assert failed == 0
+    acted = [[turn for rank_, turn in said if rank_ == str(rank)] for rank in range(len(arrivals))]
     assert acted == [["5"]] * len(arrivals), acted  # each one's own arrival turn would be [0, 5]: the hang
+
+
+def lead(rank: int, world: int, arrives: int, port: int) -> None:
+    """A data-parallel attention leader turning its step loop as an engine process does
+    (``engine.process.loop.EngineProcess.run``): it gets its copy of the refit at turn ``arrives``, holds it, and
+    reports the turn at which the leaders agreed to act on it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    held = None
+    for turn in range(10):  # past the last arrival
+        if turn == arrives:
+            held = HeldVerb("REFIT", None, float("inf"))
+        if agree_turn(dist.group.WORLD, busy=False, holding=held is not None).verb:
+            report(rank, turn)
+            break
+    dist.destroy_process_group()

@@ -8,17 +8,21 @@ module or raises, as ``importlib`` does. The dispatchers themselves run over glo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_serve import InferenceConfig
 from megatron_serve.client import vllm_options
 from megatron_serve.client.vllm_args import parse_llm_keywords
 from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
 from megatron_serve.config import ALL2ALL_BACKENDS
-from megatron_serve.engine.experts.backend import install_expert_backend, rank_tokens, resolve_backend
+from megatron_serve.engine.experts.backend import (agree_on_backend, install_expert_backend, rank_tokens,
+                                                   resolve_backend)
 from megatron_serve.engine.precompile.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.sizing import engine_buffers
 from megatron_serve.fleet.argv import inference_config_to_argv
@@ -30,7 +34,9 @@ from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 
 from .. import deepep_fake
+from ..helpers import hosted_rendezvous
 from ..host_sync import HostSync, NoHostSync
+from .forked_ranks import forked_reports, report
 
 CUDA = torch.device("cuda")  # only its type is read: nothing runs on it
 
@@ -151,49 +157,28 @@ def test_low_latency_buffers_hold_a_ranks_chunk_in_multiples_of_four():
     assert [rank_tokens(limit, tp) for limit, tp in ((512, 1), (512, 8), (1, 1), (100, 3))] == [512, 64, 4, 36]
 
 
-AGREE = """
-import os
-import sys
-import torch
-import torch.distributed as dist
-from megatron_serve.engine.experts.backend import agree_on_backend
-from tests.parallel.forked_ranks import fork_ranks, report
-
-def agree(group, port, rank, backend):
-    os.environ.update(MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
+def agree(group: int, meeting: dict[str, str], rank: int, backend: str) -> None:
+    """A rank of ``group``: it meets the group's other rank at ``meeting`` (torchrun's environment, the store hosted
+    by the test) and reports the backend it agreed on, and why."""
+    os.environ.update(meeting, RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")
     report(group, rank, *agree_on_backend(backend, "auto: here", None, torch.device("cpu")))
     dist.destroy_process_group()
-
-# argv: each group's "port backend,backend"; every rank a child forked from this process (one import of torch)
-groups = [(group, *arg.split(" ")) for group, arg in enumerate(sys.argv[1:])]
-sys.exit(fork_ranks(agree, [(g, port, r, b) for g, port, backends in groups for r, b in enumerate(backends.split(","))]))
-"""
 
 
 def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
     """Issue 65: each rank resolved ``auto`` alone, so a rank where deep_ep imports beside one where it cannot would
     pick different backends and wait in dispatches the other never joins. Two real processes over gloo: one able,
     one not: both run alltoall; both able: both keep DeepEP."""
-    import contextlib  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from ..helpers import hosted_rendezvous  # noqa: PLC0415
-    from .forked_ranks import reports  # noqa: PLC0415
-
     groups = [(("deepep_low_latency", "alltoall"), "alltoall"),
               (("deepep_low_latency", "deepep_low_latency"), "deepep_low_latency")]
     with contextlib.ExitStack() as stores:  # each group meets at a store of its own, hosted here
         meetings = [stores.enter_context(hosted_rendezvous(2)) for _ in groups]
-        proc = subprocess.run([sys.executable, "-c", AGREE, *(f"{meeting['MASTER_PORT']} {','.join(backends)}"
-                                                               for meeting, (backends, _) in zip(meetings, groups))],
-                              text=True, stdout=subprocess.PIPE, timeout=120, cwd=Path(__file__).resolve().parents[2],
-                              env={**os.environ, **meetings[0]})
-    assert proc.returncode == 0
-    outs = {(int(group), int(rank)): rest for group, rank, *rest in reports(proc.stdout)}
+        # every rank a child forked from this process, which has imported torch
+        failed, said = forked_reports(agree, [(g, meeting, r, b) for g, (meeting, (backends, _)) in
+                                              enumerate(zip(meetings, groups)) for r, b in enumerate(backends)])
+    assert failed == 0
+    outs = {(int(group), int(rank)): rest for group, rank, *rest in said}
     for index, (_, agreed) in enumerate(groups):
         assert [outs[index, rank][0] for rank in range(2)] == [agreed, agreed], outs
         if agreed == "alltoall":

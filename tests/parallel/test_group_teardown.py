@@ -4,19 +4,22 @@ teardown, where one process of a data-parallel test died with "terminate called 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+import os
 
-# In a process of its own: thread counts of this process only, and a default group of its own.
-GROUPS = textwrap.dedent('''
-    import os
-    import torch.distributed as dist
-    from megatron_serve.engine.group.placement import join_data_parallel, release_groups
+import torch.distributed as dist
 
-    def threads():
-        return len(os.listdir("/proc/self/task"))
+from megatron_serve.engine.group.placement import join_data_parallel, release_groups
 
+from .forked_ranks import forked_reports, report
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def groups() -> None:
+    """In a child forked from the test's process: thread counts of that process alone (a fork has one thread), and a
+    default group of its own."""
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port from the kernel: none to be taken first
     before = threads()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -25,13 +28,12 @@ GROUPS = textwrap.dedent('''
     dist.destroy_process_group()
     destroyed = threads()
     release_groups(tp, channel)
-    print(before, destroyed, threads())
-''')
+    report(before, destroyed, threads())
 
 
 def test_released_groups_leave_no_thread_behind_and_destroying_them_alone_does():
-    done = subprocess.run([sys.executable, "-c", GROUPS], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    before, destroyed, released = map(int, done.stdout.split())
+    failed, said = forked_reports(groups, [()])
+    assert failed == 0
+    [(before, destroyed, released)] = [tuple(map(int, fields)) for fields in said]
     assert destroyed > before, "the control: groups still held keep their threads after destroy_process_group"
     assert released == before
