@@ -13,20 +13,29 @@ import pytest
 
 from tests.helpers import shared_directory
 
+#: The product's own entry of a cache home (``megatron-serve/gguf``): the one kept out of the user's cache.
+PRODUCT_ENTRY = "megatron-serve"
+
 
 def gguf_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's ``XDG_CACHE_HOME`` for GGUF files: out of the user's cache, made once for all the workers.
 
-    torch builds the CPU kernels under ``XDG_CACHE_HOME`` too, so it holds a link to the user's torch extensions: the
-    engines served from it load the kernels ``make setup`` built rather than compile all three again each session."""
+    Only the product's entry is the session's own; every other entry of the user's cache is a link to the user's. A
+    session fixture sets this home for the rest of its worker's session, and every tool run after it there reads
+    its cache under it: torch's extensions (the engines would compile all three CPU kernels again), ccache's (the
+    release check's kernel build compiled them all), uv's and pip's (the release check's venv and wheel build
+    downloaded and unpacked torch and their build tools again)."""
     home = shared_directory(tmp_path_factory) / "cache"
     home.mkdir(exist_ok=True)
-    users = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    link = home / "torch_extensions"
-    # A worker whose XDG_CACHE_HOME is already this directory (a session fixture set it) finds the link made.
-    if not link.is_symlink() and users.resolve() != link.resolve():
-        try:
-            link.symlink_to(users, target_is_directory=True)
-        except FileExistsError:  # another worker made it at the same time
-            pass
+    users = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    # A worker whose XDG_CACHE_HOME is already this directory (a session fixture set it) finds the links made.
+    if users.resolve() != home.resolve():
+        entries = {entry.name for entry in users.iterdir()} if users.is_dir() else set()
+        for name in sorted((entries | {"torch_extensions"}) - {PRODUCT_ENTRY}):
+            link = home / name
+            if not link.is_symlink():
+                try:
+                    link.symlink_to(users / name, target_is_directory=True)
+                except FileExistsError:  # another worker made it at the same time
+                    pass
     return home

@@ -1,8 +1,18 @@
-"""The session's GGUF cache home keeps torch's extensions where ``make setup`` built them."""
+"""The session's GGUF cache home keeps every tool's cache where the user's is, and only the product's GGUF
+directories out of it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import uv
 from torch.utils.cpp_extension import get_default_build_root
+
+from megatron_serve.model.gguf.view import cache_root
 
 from .shared import gguf_cache_home
 
@@ -14,3 +24,25 @@ def test_engines_served_from_the_sessions_cache_home_find_the_users_built_kernel
     assert get_default_build_root() == users
     monkeypatch.setenv("XDG_CACHE_HOME", str(gguf_cache_home(tmp_path_factory)))  # asked again under it: the same
     assert get_default_build_root() == users
+
+
+TOOLS = {"uv": [uv.find_uv_bin(), "cache", "dir"], "pip": [sys.executable, "-m", "pip", "cache", "dir"],
+         "ccache": ["ccache", "-k", "cache_dir"]}
+
+
+def cache_directory(tool: str) -> Path:
+    """Where ``tool`` keeps its cache under this process's environment, as the tool itself says."""
+    return Path(subprocess.run(TOOLS[tool], capture_output=True, text=True, check=True,
+                               stdin=subprocess.DEVNULL).stdout.strip()).resolve()
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_tools_run_under_the_sessions_cache_home_use_the_users_cache(tool, tmp_path_factory, monkeypatch):
+    """The home stays set on a worker after its session fixture: the release check run there after the real-model
+    tests installed its venv through an empty uv cache and compiled the kernels through an empty ccache."""
+    if shutil.which(TOOLS[tool][0]) is None:
+        pytest.skip(f"{tool} is not installed (`make setup` installs ccache as root, best effort)")
+    users, product = cache_directory(tool), cache_root().resolve()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(gguf_cache_home(tmp_path_factory)))
+    assert cache_directory(tool) == users
+    assert cache_root().resolve() != product  # the product's GGUF directories stay the session's own
