@@ -2,7 +2,7 @@
 the checkpoint (they would be the checkpoint's, not the refit's): the survivors agree on it, all exit naming why,
 and the group's restart (every rank, by hand here as ``run``'s gang does it) is sent the fleet's weights again by the
 coordinator and completes every stream with the uninterrupted tokens. Without the refit the same loss leaves the
-others serving (test_expert_group_resize, test_data_parallel_rank_survival: the control)."""
+others serving (test_expert_group_resize: the control)."""
 
 from __future__ import annotations
 
