@@ -20,7 +20,7 @@ def test_a_tiny_sweep_prints_each_level_by_process_and_stage(tmp_path):
     # py-spy is the stages' sampler (a test dependency): without it every stage would read 'other' and this fails
     result = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "2", "--api-servers", "1,2", "--requests",
                              "16", "--output-tokens", "8", "--prompt-words", "4", "--n", "2", "--vocab-size", "4096",
-                             "--rate", "250", "--json"], capture_output=True, text=True, timeout=600,
+                             "--rate", "100", "--json"], capture_output=True, text=True, timeout=600,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     # the model, the logs and py-spy's files went with the scratch directory (the engines' torch caches stay)
