@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,17 +46,33 @@ def serving(log: Path) -> bool:
     return log.exists() and SERVING in log.read_text(errors="replace")
 
 
-@pytest.fixture
-def launcher(tmp_path):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Iterator[tuple[Launcher, dict[str, str]]]:
+    """One launcher for the module's tests (each start imports torch again), and the environment it runs with:
+    this process's when the module started, which each child is given (``os.environ`` itself differs from test to
+    test in ``PYTEST_CURRENT_TEST``, and the launcher refuses a child whose environment differs). A test that kills
+    it leaves the next spawn to start a fresh one, as the fleet's does."""
     lifeline = Lifeline()
-    launcher = Launcher(lifeline, tmp_path / "launcher.log")
-    yield launcher
+    launcher = Launcher(lifeline, tmp_path_factory.mktemp("launcher") / "launcher.log")
+    environment = dict(os.environ)
+    launcher.start(environment)
+    yield launcher, environment
     launcher.close()
     lifeline.close()
 
 
-def test_a_forked_child_is_what_an_exec_would_have_started(launcher, tmp_path):
-    forked = launcher.spawn(STORE, dict(os.environ), tmp_path / "forked.log")
+@pytest.fixture
+def launcher(shared) -> Launcher:
+    return shared[0]
+
+
+@pytest.fixture
+def env(shared) -> dict[str, str]:
+    return dict(shared[1])
+
+
+def test_a_forked_child_is_what_an_exec_would_have_started(launcher, env, tmp_path):
+    forked = launcher.spawn(STORE, env, tmp_path / "forked.log")
     exec_log = tmp_path / "exec.log"
     with open(exec_log, "wb") as out:
         execd = subprocess.Popen(STORE, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -87,14 +104,14 @@ def test_a_forked_child_is_what_an_exec_would_have_started(launcher, tmp_path):
         forked.kill()
 
 
-def test_a_descriptor_passed_arrives_at_the_number_asked(launcher, tmp_path):
+def test_a_descriptor_passed_arrives_at_the_number_asked(launcher, env, tmp_path):
     """As the lifeline's and an API server's socket are passed: the child holds the very pipe, at that number."""
     read, write = os.pipe()
     target = 40
     os.dup2(write, target)
     os.close(write)
     try:
-        child = launcher.spawn(STORE, dict(os.environ), tmp_path / "store.log", pass_fds=(target,))
+        child = launcher.spawn(STORE, env, tmp_path / "store.log", pass_fds=(target,))
         wait_until(lambda: serving(tmp_path / "store.log"), 120, "the store to serve")
         assert os.readlink(f"/proc/{child.pid}/fd/{target}") == os.readlink(f"/proc/self/fd/{target}")
         child.kill()
@@ -104,14 +121,14 @@ def test_a_descriptor_passed_arrives_at_the_number_asked(launcher, tmp_path):
         os.close(read)
 
 
-def test_a_child_whose_environment_differs_in_a_variable_read_at_import_is_refused(launcher, tmp_path):
-    launcher.start(dict(os.environ))  # the fleet's environment, which its imports run with
+def test_a_child_whose_environment_differs_in_a_variable_read_at_import_is_refused(launcher, env, tmp_path):
+    launcher.start(env)  # the fleet's environment, which its imports run with
     with pytest.raises(Refused, match="OMP_NUM_THREADS"):
-        launcher.spawn(STORE, {**os.environ, "OMP_NUM_THREADS": "3"}, tmp_path / "refused.log")
+        launcher.spawn(STORE, {**env, "OMP_NUM_THREADS": "3"}, tmp_path / "refused.log")
     with pytest.raises(Refused, match="PYTHONHASHSEED"):
-        launcher.spawn(STORE, {**os.environ, "PYTHONHASHSEED": "7"}, tmp_path / "refused.log")
+        launcher.spawn(STORE, {**env, "PYTHONHASHSEED": "7"}, tmp_path / "refused.log")
     # the control: variables read after the imports (a gang's rendezvous, the fleet's secret) may differ
-    child = launcher.spawn(STORE, {**os.environ, "MASTER_PORT": "29999", "MEGATRON_SERVE_TOKEN": "x" * 40},
+    child = launcher.spawn(STORE, {**env, "MASTER_PORT": "29999", "MEGATRON_SERVE_TOKEN": "x" * 40},
                            tmp_path / "store.log")
     wait_until(lambda: serving(tmp_path / "store.log"), 120, "the store to serve")
     child.kill()
@@ -141,14 +158,14 @@ def test_the_supervisor_execs_a_child_the_launcher_refuses(tmp_path, caplog):
         lifeline.close()
 
 
-def test_the_launchers_death_ends_its_children_and_the_next_start_brings_a_fresh_one(launcher, tmp_path):
-    first = launcher.spawn(STORE, dict(os.environ), tmp_path / "first.log")
+def test_the_launchers_death_ends_its_children_and_the_next_start_brings_a_fresh_one(launcher, env, tmp_path):
+    first = launcher.spawn(STORE, env, tmp_path / "first.log")
     wait_until(lambda: serving(tmp_path / "first.log"), 120, "the store to serve")
     dead = launcher.proc.pid
     os.kill(dead, signal.SIGKILL)
     assert first.wait(60) == -signal.SIGKILL  # its parent-death signal
     assert not Path(f"/proc/{first.pid}").exists() or stat(first.pid)[0] == "Z"
-    second = launcher.spawn(STORE, dict(os.environ), tmp_path / "second.log")
+    second = launcher.spawn(STORE, env, tmp_path / "second.log")
     assert launcher.proc.pid != dead and int(stat(second.pid)[1]) == launcher.proc.pid
     wait_until(lambda: serving(tmp_path / "second.log"), 120, "the second store to serve")
     second.kill()
