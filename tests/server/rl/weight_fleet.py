@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing.process
 import os
 import queue
 import subprocess
@@ -31,7 +32,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port, shared_directory
-from ...weights.forked import start_forked
+from ...weights.forked import run_forked, start_forked
 from ..conftest import admin_run, surface
 
 ADMIN_KEY = "weights-admin-key"
@@ -39,6 +40,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):"]
 TOKENS = 8
 TRAINER = Path(__file__).with_name("weight_trainer.py")
+ANCHORED = Path(__file__).with_name("anchored.py")
 ROOT = Path(__file__).parents[3]
 
 
@@ -87,15 +89,20 @@ def fleet(checkpoints, tmp_path_factory):
 
 class Trainer:
     """``weight_trainer.py --serve``: the trainer process the module's runs share (its runs one at a time), forked
-    from the test worker's fork server, which imported torch already (:mod:`tests.weights.forked`)."""
+    from the test worker's fork server, which imported torch already (:mod:`tests.weights.forked`); started at the
+    first run (the frameworks' own clients, a module each, bring their own trainer side)."""
+
+    proc: multiprocessing.process.BaseProcess | None = None
 
     def __enter__(self) -> "Trainer":
+        return self
+
+    def _start(self) -> None:
         self.errors = tempfile.NamedTemporaryFile("w+", prefix="weight-trainer-", suffix=".err")  # noqa: SIM115
         self.proc, self.stdin, stdout = start_forked(TRAINER, ["--serve"], {"ADMIN_KEY": ADMIN_KEY},
                                                      self.errors.name)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(stdout,), daemon=True).start()
-        return self
 
     def _read(self, stdout: IO[str]) -> None:
         with stdout:
@@ -104,6 +111,8 @@ class Trainer:
         self.lines.put("")  # the process ended
 
     def __exit__(self, *_) -> None:
+        if self.proc is None:
+            return
         self.stdin.close()
         self.proc.join(30)
         if self.proc.exitcode is None:
@@ -117,7 +126,9 @@ class Trainer:
 
     def run(self, argv: list[str], timeout: float = 600) -> list[dict]:
         """One run's JSON lines; fails the test with the run's traceback if it raised."""
-        assert self.proc.exitcode is None, self.stderr()
+        if self.proc is None:
+            self._start()
+        assert self.proc is not None and self.proc.exitcode is None, self.stderr()
         self.stdin.write(json.dumps(argv) + "\n")
         lines: list[dict] = []
         while True:
@@ -184,15 +195,23 @@ def with_key(url: str, user: str) -> str:
 def run_framework(python: Path | str, runner: str, argv: list[str], anchors: str, package: str) -> dict:
     """A framework's own client code: the script ``runner`` (beside this module) under ``python``, with ``anchors``
     (the folder at the repository's root where ``make setup`` installs that framework beside the venv) first on
-    ``PYTHONPATH``; the JSON of the last line it printed. Fails, saying what to run, where ``package`` is not
-    installed there."""
+    ``PYTHONPATH``; the JSON of the last line it printed. Under this venv's Python the runner is forked from the fork
+    server (:mod:`.anchored` puts ``anchors`` on its path), still a process of its own, whose framework imports
+    never reach the test process, without importing torch again. Fails, saying what to run, where ``package`` is
+    not installed there."""
     path = ROOT / anchors
     if not Path(python).exists() or not (path / package).is_dir():
         pytest.fail(f"{package} is not installed in {path} (or {python} is missing): run `make setup` (after "
                     "removing the venv's stamp, .venv/.installed-test or .venv-verl/.installed, where it predates the "
                     "framework)")
     search = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
-    ended = subprocess.run([str(python), str(Path(__file__).with_name(runner)), *argv], capture_output=True,
-                           text=True, timeout=540, env={**os.environ, "PYTHONPATH": search})
-    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-5000:]
-    return json.loads(ended.stdout.strip().splitlines()[-1])
+    script = Path(__file__).with_name(runner)
+    if Path(python) == Path(sys.executable):  # this venv's: forked from the fork server, torch imported already
+        (ended,) = run_forked(ANCHORED, [[str(path), str(script), *argv]], {"PYTHONPATH": search}, timeout=540)
+        code, stdout, stderr = ended.code, ended.stdout, ended.stderr
+    else:
+        done = subprocess.run([str(python), str(script), *argv], capture_output=True, text=True, timeout=540,
+                              env={**os.environ, "PYTHONPATH": search})
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
+    return json.loads(stdout.strip().splitlines()[-1])
