@@ -7,28 +7,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import subprocess
-import sys
-import textwrap
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model.experts.capacity_dispatcher import CapacityDispatcher
+from megatron_serve.model.experts.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+from megatron_serve.model.experts.dispatch import install_dispatchers
+from megatron_serve.model.experts.moe import SparseMoeBlock, expert_weight_name
+from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
 from megatron_serve.model.loader import build_model, iterate_checkpoint, load_model, load_weights
-from megatron_serve.model.experts.moe import expert_weight_name
-from megatron_serve.model.parallel import TensorParallel
+from megatron_serve.model.parallel import DataParallel, TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
-from ..helpers import free_port
+from .. import deepep_fake
 from ..devices import tensor_parallel_device
+from ..helpers import free_port
+from ..host_sync import NoHostSync
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
+from .forked_ranks import fork_ranks
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
 
@@ -91,101 +95,82 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
         assert expert_bytes(model) * size == expert_bytes(full)
 
 
-LAYER_PROBE = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
-    from megatron_serve.model.experts.capacity_dispatcher import CapacityDispatcher
-    from megatron_serve.model.experts.dispatch import install_dispatchers
-    from megatron_serve.model.loader import build_model, load_model
-    from megatron_serve.model.experts.moe import SparseMoeBlock
-    from megatron_serve.model.parallel import DataParallel, TensorParallel
-    from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
-    from tests.host_sync import NoHostSync
-    from tests.parallel.forked_ranks import fork_ranks
+def guarded(method):
+    """``method`` run under :class:`NoHostSync`: the fixed-capacity dispatcher never reads a value on the host (a
+    capture forbids it)."""
+    def run(self, *args):
+        with NoHostSync():
+            return method(self, *args)
+    return run
 
-    def guarded(method):  # the fixed-capacity dispatcher never reads a value on the host (a capture forbids it)
-        def run(self, *args):
-            with NoHostSync():
-                return method(self, *args)
-        return run
 
-    for name in ("dispatch", "combine", "gather"):
+def probe(model_dirs: list[str], rank: int, size: int, port: int, out: str, cases: list[str]) -> None:
+    """Rank ``rank`` of ``size``, a child forked from the test's process (:func:`layer_outputs`): every case of its
+    group for every model, its MoE layers' outputs saved to ``out``."""
+    for name in ("dispatch", "combine", "gather"):  # in this child alone: the test's process keeps the dispatcher's own
         setattr(CapacityDispatcher, name, guarded(getattr(CapacityDispatcher, name)))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
+    results = {}
+    # each (model, dtype, layout)'s weights as its first case loaded them: the cases after it build the model and
+    # copy them in (the load, reading and checking every tensor, cost some 40 % of a rank's CPU when each case did)
+    loaded = {}
+    # one group computes every case of its size for every model: a rank's start costs more than a case
+    for model_dir, case in ((m, c) for m in model_dirs for c in cases):
+        dtype, mode = case.split(":")
+        one = mode.startswith("one-")  # one rank alone, computed by each rank of the group beside its cases
+        mode = mode.removeprefix("one-")
+        dp = mode.startswith("dp-")
+        parallel = TensorParallel() if one else over_dp if dp else over_tp
+        key = model_dir, dtype, "one" if one else "dp" if dp else "tp"
+        if key in loaded:
+            config, weights = loaded[key]
+            model = build_model(config, getattr(torch, dtype), "cpu", parallel)
+            model.load_state_dict(weights)
+        else:
+            model = load_model(model_dir, getattr(torch, dtype), "cpu", parallel)
+            loaded[key] = model.config, {name: t.clone() for name, t in model.state_dict().items()}
+        step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
+        if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
+            tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
+            group = tp.data_parallel.group if dp else tp.group
+            buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
+            limit = 64 if "low-latency" in mode else 0
+            step = install_dispatchers(
+                model, "deepep_low_latency",
+                lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
+            deepep_fake.Buffer.calls.clear()
+        if "invariant" in mode:
+            model.use_batch_invariant_ops()
+        outputs = results[model_dir, case] = []
+        for layer in model.model.layers:
+            block = layer.mlp
+            if not isinstance(block, SparseMoeBlock):
+                continue
+            if "allgather" in mode and size > 1:
+                block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
+            if "unordered" in mode and size > 1:
+                block.dispatcher.ordered = False
+            # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with
+            # data-parallel attention each rank its own count in each round, one rank idle (0)
+            rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
+                [[tokens] * size for tokens in (1, 3, 37)]
+            for counts in rounds:
+                tokens = counts[rank]
+                if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
+                    step.capacity = max(counts) + 3  # a padded graph
+                elif step is not None:
+                    step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
+                hidden = torch.randn(tokens, model.config.hidden_size,
+                                     generator=torch.Generator().manual_seed(tokens))
+                with torch.no_grad():
+                    outputs.append((tokens, block(hidden.to(model.dtype))))
+        if "deepep" in mode:
+            results[model_dir, case + "#calls"] = sorted(deepep_fake.Buffer.calls)
+    torch.save(results, out)
+    dist.destroy_process_group()
 
-    def probe(model_dirs, rank, size, port, out, cases):
-        rank, size = int(rank), int(size)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
-        over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
-        results = {}
-        # each (model, dtype, layout)'s weights as its first case loaded them: the cases after it build the model and
-        # copy them in (the load, reading and checking every tensor, cost some 40 % of a rank's CPU when each case did)
-        loaded = {}
-        # one group computes every case of its size for every model: a rank's start costs more than a case
-        for model_dir, case in ((m, c) for m in model_dirs.split(",") for c in cases):
-            dtype, mode = case.split(":")
-            one = mode.startswith("one-")  # one rank alone, computed by each rank of the group beside its cases
-            mode = mode.removeprefix("one-")
-            dp = mode.startswith("dp-")
-            parallel = TensorParallel() if one else over_dp if dp else over_tp
-            key = model_dir, dtype, "one" if one else "dp" if dp else "tp"
-            if key in loaded:
-                config, weights = loaded[key]
-                model = build_model(config, getattr(torch, dtype), "cpu", parallel)
-                model.load_state_dict(weights)
-            else:
-                model = load_model(model_dir, getattr(torch, dtype), "cpu", parallel)
-                loaded[key] = model.config, {name: t.clone() for name, t in model.state_dict().items()}
-            step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
-            if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
-                from megatron_serve.model.experts.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
-                from tests import deepep_fake
-                tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
-                group = tp.data_parallel.group if dp else tp.group
-                buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
-                limit = 64 if "low-latency" in mode else 0
-                step = install_dispatchers(
-                    model, "deepep_low_latency",
-                    lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
-                deepep_fake.Buffer.calls.clear()
-            if "invariant" in mode:
-                model.use_batch_invariant_ops()
-            outputs = results[model_dir, case] = []
-            for layer in model.model.layers:
-                block = layer.mlp
-                if not isinstance(block, SparseMoeBlock):
-                    continue
-                if "allgather" in mode and size > 1:
-                    block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
-                if "unordered" in mode and size > 1:
-                    block.dispatcher.ordered = False
-                # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with
-                # data-parallel attention each rank its own count in each round, one rank idle (0)
-                rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
-                    [[tokens] * size for tokens in (1, 3, 37)]
-                for counts in rounds:
-                    tokens = counts[rank]
-                    if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
-                        step.capacity = max(counts) + 3  # a padded graph
-                    elif step is not None:
-                        step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
-                    hidden = torch.randn(tokens, model.config.hidden_size,
-                                         generator=torch.Generator().manual_seed(tokens))
-                    with torch.no_grad():
-                        outputs.append((tokens, block(hidden.to(model.dtype))))
-            if "deepep" in mode:
-                from tests import deepep_fake
-                results[model_dir, case + "#calls"] = sorted(deepep_fake.Buffer.calls)
-        torch.save(results, out)
-        dist.destroy_process_group()
-
-    # one process imports torch and the modules; every group's ranks are children forked from it (a process's start,
-    # importing torch, costs more than a rank's cases): argv is the model directories, the output folder, then each
-    # group's "size port case,case..."
-    model_dirs, out_dir, *groups = sys.argv[1:]
-    ranks = [(model_dirs, rank, int(size), port, os.path.join(out_dir, f"{size}-{rank}.pt"), cases.split(","))
-             for size, port, cases in (group.split(" ") for group in groups) for rank in range(int(size))]
-    sys.exit(fork_ranks(probe, ranks))
-""")
 
 #: The ``dtype:mode`` cases each world size computes, for the layer tests: ``capacity`` the fixed-capacity
 #: all-to-all, ``dp-`` data-parallel attention over every rank (each its own tokens), ``one-`` one rank alone (the
@@ -197,7 +182,6 @@ LAYER_CASES = {2: ["float32:one-plain", "bfloat16:one-invariant",
                    "float32:deepep-normal", "float32:deepep-low-latency", "float32:dp-deepep-low-latency"],
                4: ["float32:plain", "bfloat16:invariant", "float32:capacity", "bfloat16:invariant-capacity",
                    "float32:dp-capacity", "bfloat16:dp-invariant-capacity"]}
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def layer_outputs(model_dirs: list[str], tmp_path) -> dict[int, dict[tuple[str, str], list]]:
@@ -205,10 +189,11 @@ def layer_outputs(model_dirs: list[str], tmp_path) -> dict[int, dict[tuple[str, 
     over gloo (every size's group at once, each rank forked from one process), for each model and each of the size's
     cases, by ``(model directory, case)``: rank 0's (every rank ends the layer with every token's output), and under
     data-parallel attention every rank's in rank order (each its own tokens)."""
-    groups = [f"{size} {free_port()} {','.join(cases)}" for size, cases in LAYER_CASES.items()]
-    proc = subprocess.Popen([sys.executable, "-c", LAYER_PROBE, ",".join(model_dirs), str(tmp_path), *groups],
-                            cwd=ROOT)
-    assert proc.wait(timeout=300) == 0
+    ranks = []
+    for size, cases in LAYER_CASES.items():  # every rank a child forked from this process, which has imported torch
+        port = free_port()
+        ranks += [(model_dirs, rank, size, port, str(tmp_path / f"{size}-{rank}.pt"), cases) for rank in range(size)]
+    assert fork_ranks(probe, ranks) == 0
     return {size: merged_ranks([torch.load(tmp_path / f"{size}-{rank}.pt") for rank in range(size)])
             for size in LAYER_CASES}
 
