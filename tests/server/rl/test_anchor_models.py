@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,12 +23,14 @@ from megatron_serve.server.rl.sglang_generate import NEUTRAL, SglangGenerateRequ
 from megatron_serve.server.rl.trl_generate import TRL_DEFAULTS
 from megatron_serve.server.rl.vllm_sampling import VllmSamplingParams
 
+from ...weights.forked import run_forked
 from ..conftest import surface
 from .tokens_app import MODEL, events, fake_http
 
 ROOT = Path(__file__).resolve().parents[3]
 ANCHORS = ROOT / ".anchors"
 CHECKER = Path(__file__).with_name("anchor_check.py")
+ANCHORED = Path(__file__).with_name("anchored.py")
 COMPLETION = "vllm.entrypoints.openai.completion.protocol"
 CHAT = "vllm.entrypoints.openai.chat_completion.protocol"
 TOKENS = "vllm.entrypoints.scale_out.token_in_token_out.protocol"
@@ -48,12 +47,13 @@ def anchors() -> Path:
 
 
 def validated(anchors: Path, cases: list[dict], tmp_path: Path) -> dict:
-    """``anchor_check.py``'s verdict on ``cases``."""
+    """``anchor_check.py``'s verdict on ``cases``: forked from the worker's fork server, torch imported there already
+    (:mod:`.anchored` puts ``anchors`` on its path as ``PYTHONPATH`` would)."""
     bodies = tmp_path / "bodies.json"
     bodies.write_text(json.dumps(cases))
-    done = subprocess.run([sys.executable, str(CHECKER), str(bodies)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(anchors)})
-    assert done.returncode == 0, done.stderr[-4000:]
+    (done,) = run_forked(ANCHORED, [[str(anchors), str(CHECKER), str(bodies)]], {"PYTHONPATH": str(anchors)},
+                         timeout=240)
+    assert done.code == 0, done.stderr[-4000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
