@@ -1,10 +1,11 @@
 """``megatron-serve rendezvous-store``: a store that a group's ranks reach as clients, served until SIGTERM, which
-ends it with exit code 0; a port that is no port is refused, naming it."""
+ends it with exit code 0; a port that is no port is refused, naming it, before the command imports torch."""
 
 from __future__ import annotations
 
 import datetime
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -30,7 +31,15 @@ def test_serves_a_store_until_sigterm():
         proc.wait()
 
 
-def test_a_port_out_of_range_is_refused_by_name():
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_a_port_out_of_range_is_refused_by_name_before_torch_is_imported():
+    before = children_cpu()
     done = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "rendezvous-store", "--port", "70000"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--port 70000" in done.stderr, done.stderr
+    # importing torch alone costs a process about 2 CPU-s; the refusal, well under one
+    assert children_cpu() - before < 1.0

@@ -22,14 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port < 65536:  # refused before torch's import (seconds of CPU), not after it
+        raise SystemExit(f"rendezvous-store: --port {args.port} is not a TCP port (0 to 65535)")
     import datetime  # noqa: PLC0415 - torch only once the command runs (cli.py)
 
     import torch.distributed as dist  # noqa: PLC0415
 
     from ..engine.group.placement import RENDEZVOUS_TIMEOUT_S  # noqa: PLC0415
 
-    if not 0 <= args.port < 65536:
-        raise SystemExit(f"rendezvous-store: --port {args.port} is not a TCP port (0 to 65535)")
     ending = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, ending)  # before the store's threads start: they inherit the mask
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,
