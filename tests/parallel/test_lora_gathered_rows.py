@@ -20,7 +20,7 @@ from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.wire.request import DynamicInferenceRequest
 
 from ..prompts import PROMPTS
-from .data_parallel_runs import Case, Request, serve_cases
+from .data_parallel_runs import Case, Launcher, Request, serve_cases
 from .test_lora_tensor_parallel import MOE_JOBS, moe_adapters, moe_base  # noqa: F401 - fixtures
 
 
@@ -46,9 +46,12 @@ def _rows(requests: list[DynamicInferenceRequest]) -> list[tuple[list[int], list
 @pytest.mark.timeout(900)
 def test_adapters_under_expert_parallelism_over_tensor_parallel_ranks_are_one_rank_bitwise(
         moe_base, moe_adapters, tmp_path):  # noqa: F811 - fixtures
-    one = _rows(serve_cases(tmp_path / "one", [_case("gathered", moe_base, moe_adapters)])["gathered"][0][0])
-    served = serve_cases(tmp_path / "ep", [_case("gathered", moe_base, moe_adapters),
-                                           _case("partial_sums", moe_base, moe_adapters, partial_sums=True)], tp=2)
+    with Launcher() as launcher:  # both groups forked from one process: its start, importing torch, costs some 3 CPU-s
+        one = _rows(serve_cases(tmp_path / "one", [_case("gathered", moe_base, moe_adapters)],
+                                launcher=launcher)["gathered"][0][0])
+        served = serve_cases(tmp_path / "ep", [_case("gathered", moe_base, moe_adapters),
+                                               _case("partial_sums", moe_base, moe_adapters, partial_sums=True)], tp=2,
+                             launcher=launcher)
     assert _rows(served["gathered"][0][0]) == one
     partial_sums = _rows(served["partial_sums"][0][0])
     assert [tokens for tokens, _ in partial_sums] == [tokens for tokens, _ in one]
