@@ -14,11 +14,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ import pytest
 from megatron_serve.server.rl.weight_slot import STALL_S
 
 from ...helpers import free_port
+from ...weights.forked import start_forked
 from ..conftest import admin_run
 from .weight_fleet import checkpoints  # noqa: F401 - a fixture
 from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, answer, completions, run_trainer
@@ -50,33 +52,33 @@ def logged(fleet: SimpleNamespace) -> str:
                      if path.is_file() and path.suffix in (".log", ".out"))
 
 
-def stalled_trainer(fleet: SimpleNamespace, model: str, port: int) -> subprocess.Popen:
-    """``weight_trainer.py stalled``, in a process of its own, stopped (SIGSTOP) once the server receives from it."""
-    stalled = subprocess.Popen([sys.executable, str(TRAINER), "stalled", fleet.url, model, str(port)],
-                               stdout=subprocess.PIPE, text=True, env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
-    try:
-        said = []
-        for line in stalled.stdout:
-            said.append(line)
-            if line.startswith('{"stalled"'):
-                break
-        else:
-            pytest.fail(f"the stalled trainer ended first: {said}")
-        deadline = time.monotonic() + 60
-        while "receiving" not in (probe := fleet.http.post("/start_weight_update", json={}, headers=ADMIN).text):
-            assert time.monotonic() < deadline, f"the server never began receiving from the stalled trainer: {probe}"
-            time.sleep(0.05)
-        os.kill(stalled.pid, signal.SIGSTOP)
-    except BaseException:
-        ended(stalled)
-        raise
-    return stalled
-
-
-def ended(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGCONT)
-    process.kill()
-    process.wait()
+@contextmanager
+def stalled_trainer(fleet: SimpleNamespace, model: str, port: int) -> Iterator[int]:
+    """``weight_trainer.py stalled``, in a process of its own (forked from the worker's fork server, as the fleet's
+    trainer), stopped (SIGSTOP) once the server receives from it; yields its pid, and kills it after."""
+    with tempfile.NamedTemporaryFile("w+", prefix="stalled-trainer-", suffix=".err") as errors:
+        stalled, stdin, stdout = start_forked(TRAINER, ["stalled", fleet.url, model, str(port)],
+                                              {"ADMIN_KEY": ADMIN_KEY}, errors.name)
+        try:
+            said = []
+            for line in stdout:
+                said.append(line)
+                if line.startswith('{"stalled"'):
+                    break
+            else:
+                pytest.fail(f"the stalled trainer ended first: {said} {errors.read()[-3000:]}")
+            deadline = time.monotonic() + 60
+            while "receiving" not in (probe := fleet.http.post("/start_weight_update", json={}, headers=ADMIN).text):
+                assert time.monotonic() < deadline, f"the server never began receiving from the stalled one: {probe}"
+                time.sleep(0.05)
+            os.kill(stalled.pid, signal.SIGSTOP)
+            yield stalled.pid
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+            stalled.kill()
+            stalled.join()
+            stdin.close()
+            stdout.close()
 
 
 def test_a_weight_version_must_increase_and_a_refused_one_leaves_the_fleet_serving(fleet, checkpoints):
@@ -99,8 +101,7 @@ def test_a_stalled_trainer_is_replaced_within_the_bound_and_a_second_trainer_ans
     at once, naming S's update; once S made no progress for ``STALL_S`` seconds a new trainer's init ends it, and
     the new trainer's update completes (the fleet on its weights) within its own transfer's time."""
     port = free_port()
-    stalled = stalled_trainer(fleet, checkpoints.a, port)
-    try:
+    with stalled_trainer(fleet, checkpoints.a, port):
         started = time.monotonic()
         busy = fleet.http.post("/start_weight_update", json={}, headers=ADMIN)
         assert busy.status_code == 409 and time.monotonic() - started < 5
@@ -123,23 +124,18 @@ def test_a_stalled_trainer_is_replaced_within_the_bound_and_a_second_trainer_ans
             ("/finish_weight_update", 200)]
         assert time.monotonic() - replaced < 60
         assert completions(fleet) == (checkpoints.texts.a, {8})
-    finally:
-        ended(stalled)
     log = logged(fleet)
     assert "weight update stalled: receiving" in log and f"127.0.0.1:{port}" in log
     assert "weight transfer: joined the trainer group" in log and "weight update committed" in log
 
 
 def test_abort_weight_update_ends_a_stalled_receive_at_once(fleet, checkpoints):
-    stalled = stalled_trainer(fleet, checkpoints.b, free_port())
-    try:
+    with stalled_trainer(fleet, checkpoints.b, free_port()):
         assert fleet.http.post("/abort_weight_update", headers=ADMIN).json() == {"aborted": True}
         assert fleet.http.post("/abort_weight_update", headers=ADMIN).json() == {"aborted": False}
         lines = run_trainer(fleet, "vllm", checkpoints.b)
         assert [line["status"] for line in lines] == [200, 200, 200, 200]
         assert completions(fleet) == (checkpoints.texts.b, {9})
-    finally:
-        ended(stalled)
     assert "weight update aborted (POST /abort_weight_update)" in logged(fleet)
 
 
