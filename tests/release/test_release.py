@@ -1,6 +1,7 @@
 """The release check: the product as users install it, tested from outside the checkout.
 
-Builds the sdist and, from it, the wheel (``python -m build``); installs the wheel into a fresh
+Builds the sdist and, from it, the wheel (``uv build``: ``python -m build``'s artifacts, its isolated build
+environments filled from uv's cache rather than by a pip install each); installs the wheel into a fresh
 virtual environment with what the Dockerfile installs (torch 2.13.0 CPU and the wheel with
 :data:`IMAGE_EXTRAS`, in one install where the image takes two for its layer cache); then, from a
 directory outside the repository and with nothing of the checkout on the path, imports every module,
@@ -62,10 +63,14 @@ class Release:
         env["HF_HUB_OFFLINE"] = "1"
         env["TORCH_EXTENSIONS_DIR"] = str(self.outside.parent / "torch_extensions")  # the CPU kernels, built afresh
         # torch compiles through ccache where it is on PATH (`make setup` installs it). This venv's paths change every
-        # run but not relative to the work directory, the base ccache writes them relative to: with a warm cache each
-        # source is preprocessed, not compiled. It keys on the preprocessed source, so the library is still the
-        # installed sources' (one changed compiles anew) and the cpu-kernels check still tests the wheel's own sources.
+        # run but not relative to the work directory, the base ccache writes them relative to; the library's name
+        # (-DTORCH_EXTENSION_NAME) carries a digest of those absolute paths, which ccache leaves out of its key (the
+        # sources never read the macro: test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources). With a
+        # warm cache each source is then a direct hit, neither preprocessed nor compiled. Direct mode keys on the
+        # source and every header it read, so the library is still the installed sources' (one changed compiles
+        # anew) and the cpu-kernels check still tests the wheel's own sources.
         env["CCACHE_BASEDIR"] = str(self.outside.parent)
+        env["CCACHE_IGNOREOPTIONS"] = "-DTORCH_EXTENSION_NAME=*"
         return env
 
     def run(self, *argv: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -86,6 +91,13 @@ def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
     done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+def build_distributions(project: Path, dist: Path, *flags: str, cwd: Path) -> None:
+    """The sdist and wheel of ``project`` into ``dist``, each in an isolated build environment, as
+    ``python -m build`` builds them (without ``flags`` the wheel is built from the unpacked sdist)."""
+    _step([uv.find_uv_bin(), "build", "--quiet", "--python", sys.executable, *flags, "--out-dir", dist, project],
+          cwd=cwd)
 
 
 def fresh_venv(work: Path, requirement: str | Path) -> Path:
@@ -120,7 +132,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     work = tmp_path_factory.mktemp("release")
     dist = work / "dist"
     # sdist first, then the wheel built from the unpacked sdist: both artifacts are checked at once.
-    _step([sys.executable, "-m", "build", "--outdir", dist, ROOT], cwd=work)  # no flags: the wheel from the sdist
+    build_distributions(ROOT, dist, cwd=work)  # no flags: the wheel from the sdist
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     venv = fresh_venv(work, f"{wheel}[{IMAGE_EXTRAS}]")
@@ -163,8 +175,10 @@ def test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources(release
     report = release.installed_check("cpu-kernels")
     assert all(report["built"].values()) and all(report["match_reference"].values()), report
     site = (release.venv / "lib").resolve()
-    # built from these sources even on a ccache hit: ccache keys on the preprocessed source (Release.env)
+    # built from these sources even on a ccache hit: ccache keys on the source and its headers (Release.env)
     assert len(report["sources"]) == 3 and all(Path(source).is_relative_to(site) for source in report["sources"])
+    # the one option ccache leaves out of its key changes nothing these sources compile to
+    assert not [source for source in report["sources"] if "TORCH_EXTENSION_NAME" in Path(source).read_text()]
 
 
 def test_every_module_imports_from_the_installed_wheel(release: Release) -> None:

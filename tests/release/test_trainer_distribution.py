@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from megatron_serve import __version__
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..invariance.runs import run_prompts
-from .test_release import ROOT, _step, fresh_venv
+from .test_release import ROOT, build_distributions, fresh_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -32,7 +31,7 @@ def trainer_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     """(the wheel, the venv's python, a working directory outside the checkout)."""
     work = tmp_path_factory.mktemp("trainer-release")
     dist = work / "dist"
-    _step([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist, PACKAGE], cwd=work)
+    build_distributions(PACKAGE, dist, "--sdist", "--wheel", cwd=work)
     (wheel,) = dist.glob("*.whl")
     venv = fresh_venv(work, wheel)
     outside = work / "outside"
