@@ -17,22 +17,24 @@ Fixtures (import them into a conftest or test module: ``from .real_cluster impor
 
 ``kube_namespace`` (function) -> :class:`Namespace`
     A fresh namespace named after the test (``.name``, ``.kubeconfig``, ``.cluster``), deleted after the test without
-    waiting for its objects to go (the namespace controller finishes that in the background).
+    waiting for its objects to go (the namespace controller finishes that in the background). Made and deleted
+    in-process with the admin's client (:meth:`KubeCluster.admin`): no test is about a namespace's own making, and a
+    ``kubectl`` process for each was two Go processes a test (docs/testing.md).
 
 A :class:`KubeCluster` gives ``kubeconfig`` (the admin's), ``kubectl(...)``/``helm(...)`` (the cluster's own binaries
-when ``tools/kube-cluster`` made it, else those on PATH), ``api_client()`` (the official ``kubernetes`` client) and
-``restart(component)``.
+when ``tools/kube-cluster`` made it, else those on PATH), ``api_client()`` (the official ``kubernetes`` client),
+``admin()`` (the process's one such client, kept open) and ``restart(component)``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +47,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "kube-cluster"
 #: What ``tools/kube-cluster`` stamps into its binaries (tools/kube-cluster.d/kube_cluster/components.py).
 KUBERNETES_VERSION = "v1.37.2"
+
+
+#: Each cluster's admin client in this process (:meth:`KubeCluster.admin`), by kubeconfig.
+_ADMIN: dict[str, kubernetes.client.ApiClient] = {}
+_ADMIN_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,15 @@ class KubeCluster:
         configuration = kubernetes.client.Configuration()
         kubernetes.config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
         return kubernetes.client.ApiClient(configuration)
+
+    def admin(self) -> kubernetes.client.ApiClient:
+        """The process's one admin client of this cluster (kept open: its connections are reused by the fixtures'
+        set-up and clean-up, which would otherwise each pay a TLS handshake)."""
+        with _ADMIN_LOCK:
+            client = _ADMIN.get(str(self.kubeconfig))
+            if client is None:
+                client = _ADMIN[str(self.kubeconfig)] = self.api_client()
+            return client
 
     def restart(self, component: str) -> None:
         """Restart one component with its arguments (``kube-apiserver`` waits for /readyz; etcd's data is kept)."""
@@ -171,10 +187,14 @@ def _namespace_name(test_name: str) -> str:
 def kube_namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
     """A namespace for this test alone, deleted afterwards."""
     name = _namespace_name(request.node.name)
-    manifest = {"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": name, "labels": {"megatron-serve.test": "true"}}}
-    kube.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    core = kubernetes.client.CoreV1Api(kube.admin())
+    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
+                           "metadata": {"name": name, "labels": {"megatron-serve.test": "true"}}})
     try:
         yield Namespace(name, kube)
     finally:
-        kube.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        try:
+            core.delete_namespace(name)  # returns at once: the namespace controller empties it in the background
+        except kubernetes.client.ApiException as error:
+            if error.status != 404:  # gone already is what a clean-up wants
+                raise

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import kubernetes
 import yaml
 
 from .real_reads import Reader
@@ -110,9 +111,11 @@ def install_crds(kubectl: "Kubectl") -> None:
     paths = [CRD_PATH, *sorted(VENDORED.glob("*.yaml"))]
     for path in paths:
         kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(path))
-    for path in paths:
+    for path in paths:  # what `kubectl wait --for=condition=Established` waits for, read in-process
         (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d]
-        kubectl.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{doc['metadata']['name']}")
+        crd = doc["metadata"]["name"]
+        until(lambda: condition(kubectl.get("crd", crd), "Established").get("status") == "True", 60,
+              f"CRD {crd} Established")
     _INSTALLED.add(str(kubectl.kubeconfig))
 
 
@@ -137,8 +140,11 @@ class Helm:
 
 def service_account_kubeconfig(kubectl: Kubectl, account: str, path: pathlib.Path) -> pathlib.Path:
     """A kubeconfig that authenticates as ServiceAccount ``account`` of the namespace (a TokenRequest token, as the
-    kubelet mounts into the operator's pod), with the admin kubeconfig's server and CA."""
-    token = kubectl.run("create", "token", account, "--duration=2h").stdout.strip()
+    kubelet mounts into the operator's pod), with the admin kubeconfig's server and CA. The TokenRequest is the
+    kubelet's part, so it goes in-process (what ``kubectl create token --duration=2h`` asks for), not as a process."""
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}}
+    token = kubernetes.client.CoreV1Api(kubectl.reader.api()).create_namespaced_service_account_token(
+        account, kubectl.namespace, request).status.token
     admin = yaml.safe_load(kubectl.kubeconfig.read_text())
     context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
     cluster = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
