@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.benchmarks.scripts import run_script
 from tests.helpers import script_module
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_roofline.py"
@@ -19,8 +18,7 @@ def test_decode_roofline_smoke_prints_a_row_per_batch(tmp_path):
 
     with script_module("decode_roofline", BENCHMARK) as roofline:
         checkpoint = roofline.build_checkpoint("smoke", roofline.LLAMA_SHAPES["smoke"], tmp_path, torch.device("cpu"))
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--no-hf", "--checkpoint", str(checkpoint)],
-                            capture_output=True, text=True, timeout=300)
+    result = run_script("decode_roofline.py", "--smoke", "--no-hf", "--checkpoint", str(checkpoint), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = re.findall(r"^\s*smoke\s+(\d+)\s+\d+\s+(\d+)\s+(\d+)\s+[\d.]+%\s+(\d+)\s+(\d+)", result.stdout, re.M)
     assert [int(batch) for batch, *_ in rows] == [1, 4], result.stdout

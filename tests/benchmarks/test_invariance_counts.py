@@ -4,16 +4,11 @@ the comparison can fail (its control)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "invariance_counts.py"
+from tests.benchmarks.scripts import run_script
 
 
 def test_counts_the_differences_the_mode_removes():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dtype", "float32"], capture_output=True, text=True,
-                            timeout=600)
+    result = run_script("invariance_counts.py", "--dtype", "float32")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "float32" in line]
     assert len(rows) == 4, result.stdout

@@ -4,10 +4,9 @@ unnoticed: a row per batch with positive throughputs, and the mode's request 0 b
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.benchmarks.scripts import run_script
 from tests.helpers import script_module
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "invariant_gpu.py"
@@ -20,8 +19,7 @@ def test_invariant_gpu_smoke_prints_a_ratio_per_batch(tmp_path):
 
     with script_module("decode_roofline", BENCHMARK.with_name("decode_roofline.py")) as roofline:
         checkpoint = roofline.build_checkpoint("smoke", roofline.LLAMA_SHAPES["smoke"], tmp_path, torch.device("cpu"))
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--checkpoint", str(checkpoint)],
-                            capture_output=True, text=True, timeout=300)
+    result = run_script("invariant_gpu.py", "--smoke", "--checkpoint", str(checkpoint), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)$", result.stdout, re.M)
     assert [int(row[0]) for row in rows] == [1, 4], result.stdout

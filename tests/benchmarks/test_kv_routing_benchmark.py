@@ -5,22 +5,18 @@ each."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_routing.py"
+from tests.benchmarks.scripts import run_script
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def test_kv_routing_smoke_prints_each_policys_hit_rate_with_texts_unchanged(tiny_llama):
     # two routers, restarted mid-trace: each with a memory of its own, the index rebuilt from the engines' snapshots
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--model", tiny_llama, "--routers", "2",
-                             "--restart-at", "10"],
-                            capture_output=True, text=True, timeout=880)
+    result = run_script("kv_routing.py", "--smoke", "--model", tiny_llama, "--routers", "2", "--restart-at", "10",
+                        timeout=880)
     assert result.returncode == 0, result.stderr[-2000:]
     rates = dict(re.findall(r"^\s*(prefix_affinity|kv_aware)\s+([\d.]+)\s", result.stdout, re.M))
     assert set(rates) == {"prefix_affinity", "kv_aware"}, result.stdout

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_tiers.py"
+from tests.benchmarks.scripts import run_script
 
 
 def test_kv_tiers_smoke_finds_prefixes_on_the_host_and_on_disk_and_keeps_the_kv(tiny_llama):
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--model", tiny_llama], capture_output=True,
-                            text=True, timeout=300)
+    result = run_script("kv_tiers.py", "--smoke", "--model", tiny_llama, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     hits = re.search(r"^\s*tier on\s+[\d.]+\s+[\d.]+\s+(\d+)\s+(\d+)$", result.stdout, re.M)
     assert hits is not None and int(hits.group(2)) > 0, result.stdout

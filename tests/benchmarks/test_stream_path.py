@@ -4,14 +4,12 @@ every answer's text is its tokens' decoding (and a changed byte in an answer fai
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.benchmarks.scripts import run_script
 from tests.helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "stream_path.py"
@@ -24,9 +22,8 @@ def _module():
 def test_every_measure_runs_and_every_answer_is_its_tokens_text(tmp_path):
     # --hot: the caches are not filled between frames (a copy of twice the last level, 0.1-0.2 s a frame here, is
     # most of the run's time and none of what it checks); test_the_evictor_fills_twice_the_last_level holds that
-    result = subprocess.run([sys.executable, str(SCRIPT), "--streams", "4", "--requests", "12", "--steps", "3",
-                             "--single-requests", "3", "--repeats", "1", "--check", "--json", "--hot"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    result = run_script("stream_path.py", "--streams", "4", "--requests", "12", "--steps", "3", "--single-requests",
+                        "3", "--repeats", "1", "--check", "--json", "--hot", timeout=300, env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(tmp_path.iterdir())  # its scratch directory is gone (a suite's runs left one each in $TMPDIR)
     lines = result.stdout.strip().splitlines()
