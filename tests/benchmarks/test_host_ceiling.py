@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from tests.benchmarks.scripts import run_script
 from tests.helpers import load_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPT = BENCHMARKS / "host_ceiling.py"
 
 
 def test_a_tiny_sweep_prints_each_level_by_process_and_stage(tmp_path):
     # py-spy is the stages' sampler (a test dependency): without it every stage would read 'other' and this fails
-    result = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "2", "--api-servers", "1,2", "--requests",
-                             "16", "--output-tokens", "8", "--prompt-words", "4", "--n", "2", "--vocab-size", "4096",
-                             "--rate", "100", "--json"], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    result = run_script("host_ceiling.py", "--concurrency", "2", "--api-servers", "1,2", "--requests", "16",
+                        "--output-tokens", "8", "--prompt-words", "4", "--n", "2", "--vocab-size", "4096", "--rate",
+                        "100", "--json", env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     # the model, the logs and py-spy's files went with the scratch directory (the engines' torch caches stay)
     assert not list(tmp_path.glob("bench-*")), list(tmp_path.iterdir())

@@ -7,14 +7,11 @@ Its earlier reader split lines wherever Python does (``str.splitlines``: U+2028,
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.benchmarks.scripts import BENCHMARKS, script_fixture
+from tests.benchmarks.scripts import run_script, script_fixture
 
-SCRIPT = BENCHMARKS / "serving.py"
 serving = script_fixture("serving", "serving_benchmark", "serving.py")
 
 
@@ -45,9 +42,8 @@ def test_a_small_level_runs_end_to_end_with_every_column(tiny_llama):
     prints a full row: the served and offline rates, the stack's CPU by process and the client's own. ``--model``:
     the suite's tiny Llama, the model the script makes without one (the script's interpreter spent ~3 CPU-s
     importing transformers' model classes to make it)."""
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", tiny_llama, "--concurrency", "2", "--requests",
-                             "4", "--lengths", "uniform", "--output-tokens", "4", "--prompt-tokens", "8"],
-                            capture_output=True, text=True, timeout=600)
+    result = run_script("serving.py", "--model", tiny_llama, "--concurrency", "2", "--requests", "4", "--lengths",
+                        "uniform", "--output-tokens", "4", "--prompt-tokens", "8")
     assert result.returncode == 0, result.stderr[-3000:]
     header, *rows = [line for line in result.stdout.splitlines() if line.startswith("|") and "---" not in line]
     assert header.split("|")[-2].strip() == "client CPU ms/1k tok", header
@@ -63,12 +59,11 @@ def test_the_url_mode_measures_the_cpu_of_the_stack_listening_there(tiny_llama, 
 
     stack = start_run(tiny_llama, tmp_path / "run", engines=1)
     try:
-        result = subprocess.run([sys.executable, str(SCRIPT), "--url", stack.url, "--model", tiny_llama,
-                                 # 1,024 tokens (4,096 before): still enough CPU in the server and the engine, the
-                                 # two processes asserted on, for their clock ticks (10 ms) to count
-                                 "--no-offline", "--concurrency", "8", "--requests", "64", "--lengths", "uniform",
-                                 "--output-tokens", "16", "--prompt-tokens", "8"],
-                                capture_output=True, text=True, timeout=600)
+        result = run_script("serving.py", "--url", stack.url, "--model", tiny_llama,
+                            # 1,024 tokens (4,096 before): still enough CPU in the server and the engine, the two
+                            # processes asserted on, for their clock ticks (10 ms) to count
+                            "--no-offline", "--concurrency", "8", "--requests", "64", "--lengths", "uniform",
+                            "--output-tokens", "16", "--prompt-tokens", "8")
     finally:
         stack.kill()
     assert result.returncode == 0, result.stderr[-3000:]

@@ -4,13 +4,11 @@ tokens (seeded, sampled too) equal to no speculation's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from tests.benchmarks.scripts import run_script
 from tests.helpers import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
@@ -42,11 +40,10 @@ def rows(lines: list[str]) -> Table:
 
 def warm_and_cold(tmp_path: Path) -> tuple[Table, Table]:
     """Both tables from one run of the script (``--warm-and-cold``: one interpreter, one pair loaded)."""
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--train-steps", str(TRAIN_STEPS), "--concurrency", "1,4", "--requests-c1", "2",
-         "--new-tokens", "8", "--n", "2", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path),
-         "--warm-and-cold"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # one thread: the script sets torch's and OMP_NUM_THREADS itself (--threads, default 1)
+    result = run_script("speculative.py", "--train-steps", str(TRAIN_STEPS), "--concurrency", "1,4", "--requests-c1",
+                        "2", "--new-tokens", "8", "--n", "2", "--methods", "none,ngram,draft_model", "--cache-dir",
+                        str(tmp_path), "--warm-and-cold")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines.count("warm:") == lines.count("cold:") == 1 and lines.index("warm:") < lines.index("cold:"), lines
