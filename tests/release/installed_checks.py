@@ -6,8 +6,12 @@ imported. Each subcommand prints one JSON document on stdout.
 
     python installed_checks.py imports            # import every module of the three packages
     python installed_checks.py commands           # the CLI's subcommand names and the version
-    python installed_checks.py parse FILE.json    # parse rendered container command lines
     python installed_checks.py cpu-kernels        # build the CPU kernels from the wheel's sources and run them
+    python installed_checks.py parse FILE.json    # parse rendered container command lines
+
+The checks without an argument run in turn in one process when named together (``cpu-kernels imports commands``),
+which prints them as one document by name: each process of this environment imports torch, and compiles what it
+imports first.
 """
 
 from __future__ import annotations
@@ -120,9 +124,20 @@ def cpu_kernels() -> dict[str, object]:
                                 for name, (got, want) in results.items()}}
 
 
+#: The checks that take no argument, by name.
+CHECKS = {"imports": imports, "commands": commands, "cpu-kernels": cpu_kernels}
+
+
 def main(argv: list[str]) -> int:
-    check = {"imports": imports, "commands": commands, "parse": parse, "cpu-kernels": cpu_kernels}[argv[0]]
-    print(json.dumps(check(*argv[1:])))
+    if len(argv) == 2 and argv[0] == "parse":
+        print(json.dumps(parse(argv[1])))
+        return 0
+    unknown = [name for name in argv if name not in CHECKS]
+    if not argv or unknown:
+        said = f"unknown checks {unknown}" if unknown else "no check named"
+        print(f"installed_checks.py: {said} (known: {', '.join(CHECKS)}, or parse FILE.json alone)", file=sys.stderr)
+        return 2
+    print(json.dumps({name: CHECKS[name]() for name in argv}))
     return 0
 
 

@@ -87,6 +87,10 @@ class Release:
         return json.loads(self.check(self.bin / "python", script, *args))
 
 
+#: installed_checks.py's checks that take no argument, run in one process of the release's venv (installed_reports).
+INSTALLED_CHECKS = ("cpu-kernels", "imports", "commands")
+
+
 def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
     done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
@@ -142,6 +146,15 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     return Release(wheel=wheel, sdist=sdist, venv=venv, outside=outside)
 
 
+@pytest.fixture(scope="module")
+def installed_reports(release: Release) -> dict[str, dict[str, Any]]:
+    """Each check of :data:`INSTALLED_CHECKS` by name, from one process: the kernels' build first, in a process that
+    has imported nothing else yet, as an engine's first step builds them."""
+    reports = release.installed_check(*INSTALLED_CHECKS)
+    assert set(reports) == set(INSTALLED_CHECKS), reports
+    return reports
+
+
 def source_packages() -> set[str]:
     """Every package folder (one with an ``__init__.py``) under the three source roots."""
     found = set()
@@ -171,8 +184,9 @@ def test_the_wheel_ships_every_package_and_its_data(release: Release) -> None:
     assert release.sdist.name == f"megatron_serve-{__version__}.tar.gz"
 
 
-def test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources(release: Release) -> None:
-    report = release.installed_check("cpu-kernels")
+def test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources(release: Release,
+                                                                        installed_reports: dict[str, Any]) -> None:
+    report = installed_reports["cpu-kernels"]
     assert all(report["built"].values()) and all(report["match_reference"].values()), report
     site = (release.venv / "lib").resolve()
     # built from these sources even on a ccache hit: ccache keys on the source and its headers (Release.env)
@@ -181,8 +195,8 @@ def test_the_installed_wheel_builds_the_cpu_kernels_from_its_own_sources(release
     assert not [source for source in report["sources"] if "TORCH_EXTENSION_NAME" in Path(source).read_text()]
 
 
-def test_every_module_imports_from_the_installed_wheel(release: Release) -> None:
-    report = release.installed_check("imports")
+def test_every_module_imports_from_the_installed_wheel(installed_reports: dict[str, Any]) -> None:
+    report = installed_reports["imports"]
     assert report["failures"] == {}
     assert report["outside_site_packages"] == {}
     source_modules = {
@@ -196,10 +210,10 @@ def test_every_module_imports_from_the_installed_wheel(release: Release) -> None
             if name not in without and not name.startswith(tuple(w + "." for w in without))} == set()
 
 
-def test_version_and_every_subcommand_help(release: Release) -> None:
+def test_version_and_every_subcommand_help(release: Release, installed_reports: dict[str, Any]) -> None:
     from megatron_serve import __version__
 
-    facts = release.installed_check("commands")
+    facts = installed_reports["commands"]
     assert facts["version"] == __version__
     assert release.check(release.bin / "megatron-serve", "--version").strip() == f"megatron-serve {__version__}"
     assert "make-tiny-model" in facts["commands"] and "render" in facts["commands"]
