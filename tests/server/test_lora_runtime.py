@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
 ADMIN_KEY = "lora-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = "The adapters of this fleet"
-LONG = 600  # tokens: a stream that seldom ends between its first token and the pause that holds it
+LONG = 300  # tokens: a stream that seldom ends between its first token and the pause that holds it (3-4 chunks)
 
 
 @pytest.fixture(scope="module")
