@@ -23,6 +23,7 @@ from megatron_operator import names
 
 from .real_cluster import Namespace
 from .real_node import NodeLeases, ready_status
+from .real_reads import TIMEOUT
 from .real_tools import CHART, Helm, Kubectl, MI, OperatorProcess, clients, example, service_account_kubeconfig, until
 
 #: What marks a node as kwok's to play (tools/kube-cluster starts kwok with this annotation selector).
@@ -189,16 +190,33 @@ class Fleet:
         if self.leases is not None:
             self.leases.stop()
         api = self.kubectl.reader.api()
-        custom, core = kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
+        custom = kubernetes.client.CustomObjectsApi(api)
+        # The workloads first: the namespace controller deletes pods before StatefulSets, whose controller made them
+        # again into the terminating namespace, refused, an Event each, hundreds a run (the API server's audit log).
+        apps = kubernetes.client.AppsV1Api(api)
+        for workloads in (apps.delete_collection_namespaced_stateful_set, apps.delete_collection_namespaced_deployment):
+            workloads(self.kubectl.namespace)
         plural, _, group = MI.partition(".")
         for item in self.kubectl.get(MI):
             _gone_is_fine(lambda: custom.patch_namespaced_custom_object(
                 group, item["apiVersion"].split("/")[1], self.kubectl.namespace, plural, item["metadata"]["name"],
                 {"metadata": {"finalizers": None}}, _content_type="application/merge-patch+json"))
-        delete = {"node": core.delete_node, "pv": core.delete_persistent_volume}
         for kind_name in self.cluster_objects:
-            kind, _, name = kind_name.partition("/")
-            _gone_is_fine(lambda: delete[kind](name))
+            _delete(self.kubectl, kind_name)
+
+
+def _delete(kubectl: Kubectl, kind_name: str) -> None:
+    """DELETE one object named as ``kubectl delete`` names it (``node/x``, ``pv/y``), its kind resolved as
+    ``kubectl`` resolves it; not waiting for it to go, and gone already no failure (``--ignore-not-found``)."""
+    kind, _, name = kind_name.partition("/")
+    api = kubectl.reader.api()
+    path = kubectl.reader.kinds.resolve(api, kind).path(kubectl.namespace, name)
+    request = api.param_serialize("DELETE", path, header_params={"Accept": "application/json"},
+                                  auth_settings=["BearerToken"])
+    response = api.call_api(*request, _request_timeout=TIMEOUT)
+    body = response.read()
+    if response.status != 404 and not 200 <= response.status <= 299:
+        raise AssertionError(f"DELETE {path} -> {response.status}: {body.decode(errors='replace').strip()}")
 
 
 def _gone_is_fine(call: Callable[[], object]) -> None:
