@@ -219,8 +219,11 @@ class Children:
         self._lifeline: Lifeline | None = None
 
     def environment(self, env: dict[str, str] | None = None) -> dict[str, str]:
-        """A child's environment with ``env``: this process's, with the fleet secret."""
-        return {**os.environ, TOKEN_ENV: self.secret, **(env or {})}
+        """A child's environment with ``env``: this process's, with the fleet secret, less ``PYTEST_CURRENT_TEST``.
+        pytest changes that one at every test and phase, so an engine spawned in a test body from a launcher
+        started in a fixture differed from it there, and the launcher refused it: exec'd, importing torch again."""
+        mine = {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
+        return {**mine, TOKEN_ENV: self.secret, **(env or {})}
 
     def start_launcher(self, env: dict[str, str] | None = None) -> None:
         """Start the launcher now, on this thread, with the environment of children given ``env``: its torch import

@@ -144,6 +144,7 @@ async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(f
             assert code == 0 and lines[-1]["detail"]["epoch"] == 9, lines
             await client.unpause()
         late = fleet.children.engine(models.a, fleet.port, "--group", "5", "--pipeline-parallel-size", "2")  # no donor
+        assert fleet.children.refusals == []  # forked by the fleet's launcher, started in another test's setup
         status = await client.wait_for_engines(3, timeout=300)
         joined = next(e for e in status["engines"] if e["group"] == 5)
         assert joined["epoch"] == 0 and status["epoch_mismatch"] == [joined["id"]]
