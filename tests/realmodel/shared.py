@@ -15,6 +15,8 @@ from tests.helpers import shared_directory
 
 #: The product's own entry of a cache home (``megatron-serve/gguf``): the one kept out of the user's cache.
 PRODUCT_ENTRY = "megatron-serve"
+#: The user's cache home, as this process started with it (a session fixture points ``XDG_CACHE_HOME`` away later).
+USERS_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def gguf_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -27,15 +29,14 @@ def gguf_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     downloaded and unpacked torch and their build tools again)."""
     home = shared_directory(tmp_path_factory) / "cache"
     home.mkdir(exist_ok=True)
-    users = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    # A worker whose XDG_CACHE_HOME is already this directory (a session fixture set it) finds the links made.
-    if users.resolve() != home.resolve():
-        entries = {entry.name for entry in users.iterdir()} if users.is_dir() else set()
+    # A process started under this home (its XDG_CACHE_HOME already this directory) finds the links made.
+    if USERS_CACHE.resolve() != home.resolve():
+        entries = {entry.name for entry in USERS_CACHE.iterdir()} if USERS_CACHE.is_dir() else set()
         for name in sorted((entries | {"torch_extensions"}) - {PRODUCT_ENTRY}):
             link = home / name
             if not link.is_symlink():
                 try:
-                    link.symlink_to(users / name, target_is_directory=True)
+                    link.symlink_to(USERS_CACHE / name, target_is_directory=True)
                 except FileExistsError:  # another worker made it at the same time
                     pass
     return home

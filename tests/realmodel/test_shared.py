@@ -3,6 +3,7 @@ directories out of it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,12 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from megatron_serve.model.gguf.view import cache_root
 
-from .shared import gguf_cache_home
+from .shared import USERS_CACHE, gguf_cache_home
 
 
 def test_engines_served_from_the_sessions_cache_home_find_the_users_built_kernels(tmp_path_factory, monkeypatch):
     """torch builds under ``XDG_CACHE_HOME``: without the link each session compiled the three sources again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(USERS_CACHE))
     users = get_default_build_root()
     monkeypatch.setenv("XDG_CACHE_HOME", str(gguf_cache_home(tmp_path_factory)))
     assert get_default_build_root() == users
@@ -30,9 +32,10 @@ TOOLS = {"uv": [uv.find_uv_bin(), "cache", "dir"], "pip": [sys.executable, "-m",
          "ccache": ["ccache", "-k", "cache_dir"]}
 
 
-def cache_directory(tool: str) -> Path:
-    """Where ``tool`` keeps its cache under this process's environment, as the tool itself says."""
-    return Path(subprocess.run(TOOLS[tool], capture_output=True, text=True, check=True,
+def cache_directory(tool: str, home: Path) -> Path:
+    """Where ``tool`` keeps its cache with ``XDG_CACHE_HOME`` at ``home``, as the tool itself says."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(home)}
+    return Path(subprocess.run(TOOLS[tool], capture_output=True, text=True, check=True, env=env,
                                stdin=subprocess.DEVNULL).stdout.strip()).resolve()
 
 
@@ -42,7 +45,9 @@ def test_tools_run_under_the_sessions_cache_home_use_the_users_cache(tool, tmp_p
     tests installed its venv through an empty uv cache and compiled the kernels through an empty ccache."""
     if shutil.which(TOOLS[tool][0]) is None:
         pytest.skip(f"{tool} is not installed (`make setup` installs ccache as root, best effort)")
-    users, product = cache_directory(tool), cache_root().resolve()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(gguf_cache_home(tmp_path_factory)))
-    assert cache_directory(tool) == users
-    assert cache_root().resolve() != product  # the product's GGUF directories stay the session's own
+    home = gguf_cache_home(tmp_path_factory)
+    assert cache_directory(tool, home) == cache_directory(tool, USERS_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(USERS_CACHE))
+    users = cache_root().resolve()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    assert not cache_root().resolve().is_relative_to(users.parent)  # the product's GGUF directories: the session's
