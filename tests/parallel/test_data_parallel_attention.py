@@ -135,9 +135,10 @@ def served(models, tmp_path_factory) -> Iterator[Callable[[int, int], Served]]:
     with Launcher() as launcher:
         def get(dp: int, tp: int = 1) -> Served:
             if (dp, tp) not in cache:
-                # TP 4 serves one case: its engine spawns its ranks (one fork server), not 3 processes of their own
+                # TP 4's ranks too are forked from the launcher: spawned by the engine, they came from a fork server
+                # (an interpreter importing torch again, some 2-3 CPU-s) for the layout's one case
                 cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp,
-                                            spawn=(dp, tp) == (1, 4), launcher=launcher)
+                                            launcher=launcher)
             return cache[dp, tp]
 
         get.root = root  # where each layout's group keeps its files (graph logs)
