@@ -107,7 +107,7 @@ class Launcher:
 
 
 def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900,
-                env: dict[str, str] | None = None, spawn: bool = False, launcher: Launcher | None = None) -> Served:
+                env: dict[str, str] | None = None, launcher: Launcher | None = None) -> Served:
     """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
     alone: a group of one engine), the processes' environment this one's with ``env`` (``launcher``: forked by that
     one, with its environment; without: by one of their own). Returns ``served[case][d][n]``: rank ``d``'s finished
@@ -115,9 +115,8 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
 
     Without data-parallel attention the group's tensor-parallel ranks other than 0 are processes of their own too,
     each following every case's engine in turn (``data_parallel_engine.py``), as ranks on other machines do: an
-    engine that spawned its ranks would start them again for each case, and a rank's start costs more than a case.
-    ``spawn``: each engine spawns its tensor-parallel ranks all the same (forked from one fork server: for a group of
-    few cases, cheaper than a process of their own importing torch each).
+    engine that spawned its ranks would start them again for each case (from multiprocessing's fork server, an
+    interpreter importing torch again), and a rank's start costs more than a case.
     """
     dp = len(cases[0].runs)
     assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
@@ -129,13 +128,13 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
         else:
             assert env is None, "a launcher's processes have its environment"
         return _run_cases(cases, [int(meeting["MASTER_PORT"]) for meeting in meetings], dp, tp, tmp_path, launcher,
-                          timeout, spawn)
+                          timeout)
 
 
 def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: Path, launcher: Launcher,
-               timeout: float, spawn: bool = False) -> Served:
+               timeout: float) -> Served:
     outs = []
-    own_ranks = tp if dp == 1 and not spawn else 1  # processes started here per data-parallel rank (the rest: spawned)
+    own_ranks = tp if dp == 1 else 1  # processes started here per data-parallel rank (the rest: spawned)
     forked = []  # every process of the group, forked from the launcher
     for rank in range(dp):
         for tp_rank in range(own_ranks):
