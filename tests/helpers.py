@@ -206,16 +206,20 @@ class Children:
     process's start is that import, and the suite is CPU-bound. Where the launcher refuses a child (an environment
     that differs from the one it was started with, say) the child is exec'd, as the product's fleet does, and the
     reason is kept in ``refusals``. ``fork=False``: every child exec'd (a test that reads a child's own parent or
-    ``/proc/PID/environ``, which a forked child has from the launcher).
+    ``/proc/PID/environ``, which a forked child has from the launcher). ``launcher``: one of :func:`shared_launcher`
+    instead of one of its own (the fleets of a module's tests: each launcher's start imports torch again), which
+    ``kill_all`` leaves running.
     """
 
-    def __init__(self, log_dir: Path, fork: bool = DEFAULT_ENGINE_START == "fork") -> None:
+    def __init__(self, log_dir: Path, fork: bool = DEFAULT_ENGINE_START == "fork",
+                 launcher: Launcher | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.procs: list[tuple[ChildProcess, Path]] = []
         self.secret = make_secret()
         self.fork = fork
         self.refusals: list[str] = []
-        self._launcher: Launcher | None = None
+        self._launcher: Launcher | None = launcher
+        self._shared = launcher is not None
         self._lifeline: Lifeline | None = None
 
     def environment(self, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -298,12 +302,26 @@ class Children:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if self._launcher is not None:  # a later spawn starts a fresh one
+        if self._launcher is not None and not self._shared:  # a later spawn starts a fresh one
             self._launcher.close()
             self._launcher = None
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
+
+
+@contextlib.contextmanager
+def shared_launcher(log_dir: Path) -> Iterator[Launcher]:
+    """A launcher for the :class:`Children` of several tests (``Children(..., launcher=)``), ended at the block's
+    end: it starts at their first fork, with that one's environment, which theirs may differ from only in the fleet
+    secret and the other variables read late (the launcher refuses the rest)."""
+    lifeline = Lifeline()
+    launcher = Launcher(lifeline, Path(log_dir) / "launcher.log")
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+        lifeline.close()
 
 
 @contextlib.contextmanager

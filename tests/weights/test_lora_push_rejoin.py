@@ -7,16 +7,18 @@ the same adapter from its directory in a direct-mode engine) with its version on
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.launcher_client import Launcher
 from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, shared_launcher
 from ..lora_adapters import make_peft_adapter, peft_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,16 +36,23 @@ def adapter(tiny_llama, tmp_path_factory) -> tuple[str, list[list[int]]]:
         return directory, [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> Iterator[Launcher]:
+    """One engine launcher for the fleets of this module's tests: each launcher's start imports torch again."""
+    with shared_launcher(tmp_path_factory.mktemp("rejoin-launcher")) as launcher:
+        yield launcher
+
+
 async def _deregistered(client: InferenceClient) -> None:
     """Poll until the coordinator lists no engine (the stopped one said goodbye)."""
     while (await client.status())["engines"]:
         await asyncio.sleep(0.05)
 
 
-async def _push_then_restart(tiny_llama: str, directory: str, tmp_path, *extra: str) -> list:
+async def _push_then_restart(tiny_llama: str, directory: str, launcher: Launcher, tmp_path, *extra: str) -> list:
     """Push version 3 of ``a`` into a one-engine fleet, restart the engine process, and run :data:`PROMPTS`."""
     (tmp_path / "logs").mkdir()
-    children = Children(tmp_path / "logs")
+    children = Children(tmp_path / "logs", launcher=launcher)
     port = free_port()
     flags = ("--enable-lora", "--max-lora-rank", str(RANK), *extra)
     try:
@@ -65,15 +74,16 @@ async def _push_then_restart(tiny_llama: str, directory: str, tmp_path, *extra: 
         children.kill_all()
 
 
-async def test_a_restarted_engine_serves_the_pushed_version(tiny_llama, adapter, tmp_path):
+async def test_a_restarted_engine_serves_the_pushed_version(tiny_llama, adapter, launcher, tmp_path):
     directory, expected = adapter
-    outs = await _push_then_restart(tiny_llama, directory, tmp_path, "--lora-push-dir", str(tmp_path / "pushed"))
+    outs = await _push_then_restart(tiny_llama, directory, launcher, tmp_path, "--lora-push-dir",
+                                    str(tmp_path / "pushed"))
     assert [r.generated_tokens for r in outs] == expected
     assert all(set(r.lora_epochs) == {3} for r in outs)
     assert (tmp_path / "pushed" / "a" / "v3" / "adapter_model.safetensors").is_file()
 
 
-async def test_without_a_push_dir_the_restarted_engine_lacks_the_adapter(tiny_llama, adapter, tmp_path):
+async def test_without_a_push_dir_the_restarted_engine_lacks_the_adapter(tiny_llama, adapter, launcher, tmp_path):
     directory, _ = adapter
-    outs = await _push_then_restart(tiny_llama, directory, tmp_path)
+    outs = await _push_then_restart(tiny_llama, directory, launcher, tmp_path)
     assert [(r.generated_tokens, r.error) for r in outs] == [([], "LoRA adapter 'a' is not loaded")] * len(PROMPTS)

@@ -9,17 +9,19 @@ an adapter on MoE experts (PEFT ``target_parameters``), whose share each rank ta
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.launcher_client import Launcher
 from megatron_serve.api.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, shared_launcher
 from ..lora_adapters import make_peft_adapter, peft_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -27,6 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4"]
 RANK = 8
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, lora_name="a")
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> Iterator[Launcher]:
+    """One engine launcher for the fleets of this module's tests: each launcher's start imports torch again."""
+    with shared_launcher(tmp_path_factory.mktemp("lora-tp-launcher")) as launcher:
+        yield launcher
 
 
 @pytest.fixture(params=["llama", "qwen2_moe experts"])
@@ -41,7 +50,7 @@ def model_and_adapter(request, tiny_llama, tmp_path) -> tuple[str, str]:
                                         b_scale=2.0))
 
 
-async def test_a_push_into_a_tensor_parallel_group_serves_the_adapter(model_and_adapter, tmp_path):
+async def test_a_push_into_a_tensor_parallel_group_serves_the_adapter(model_and_adapter, launcher, tmp_path):
     model, directory = model_and_adapter
     config = InferenceConfig(num_kv_blocks=64, enable_lora=True, max_lora_rank=RANK, lora_modules={"a": directory})
     with MegatronLLM(model, config) as llm:
@@ -50,7 +59,7 @@ async def test_a_push_into_a_tensor_parallel_group_serves_the_adapter(model_and_
                                                                                     "lora_name": None}))]
     assert expected != base, "control: the adapter changes the tokens"
     (tmp_path / "logs").mkdir()
-    children = Children(tmp_path / "logs")
+    children = Children(tmp_path / "logs", launcher=launcher)
     port = free_port()
     try:
         children.coordinator(model, port)

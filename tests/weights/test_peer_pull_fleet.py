@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,11 +22,12 @@ from safetensors.torch import load_file
 
 from megatron_serve import WeightSender
 from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.launcher_client import Launcher
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
-from ..helpers import Children, free_port, greedy_tokens
+from ..helpers import Children, free_port, greedy_tokens, shared_launcher
 from .fleet_dump import dump_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -45,6 +47,13 @@ def models(tmp_path_factory):
     expected = SimpleNamespace(a=outputs(a), b=outputs(b))
     assert expected.a != expected.b, "control: A's tokens are not B's"
     return SimpleNamespace(a=a, b=b, expected=expected)
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> Iterator[Launcher]:
+    """One engine launcher for the fleets of this module's tests: each launcher's start imports torch again."""
+    with shared_launcher(tmp_path_factory.mktemp("peer-pull-launcher")) as launcher:
+        yield launcher
 
 
 async def engines_until(client: InferenceClient, check, timeout: float = 300.0) -> list[dict]:
@@ -84,10 +93,10 @@ async def served_alone(client: InferenceClient, children: Children, log_dir: Pat
     return await asyncio.wait_for(answers, 90)
 
 
-async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(models, tmp_path):
+async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(models, launcher, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    children = Children(logs)
+    children = Children(logs, launcher=launcher)
     port = free_port()
     try:
         children.coordinator(models.a, port, "--heartbeat-timeout", "3")
@@ -130,14 +139,14 @@ async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(model
         children.kill_all()
 
 
-async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, tmp_path):
+async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, launcher, tmp_path):
     """A tensor-parallel 2 and a pipeline-parallel 2 group serve A; the trainer refits them to B (epoch 1). A group of
     each layout joins: each of its ranks pulls from the same rank of the live group of its layout (the tensor-parallel
     ranks their slices, the stages their layers), all pairs at once. With the live groups killed, the joiners alone
     serve B's tokens (==), epoch 1 on every token, both of them."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    children = Children(logs)
+    children = Children(logs, launcher=launcher)
     port = free_port()
     pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
     layouts = (("--tensor-parallel", "2", *pair), ("--pipeline-parallel-size", "2", *pair))
