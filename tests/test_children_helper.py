@@ -9,7 +9,7 @@ import sys
 import signal
 from pathlib import Path
 
-from tests.helpers import Children, alive, wait_until
+from tests.helpers import Children, alive, shared_launcher, wait_until
 
 STORE = ["rendezvous-store", "--host", "127.0.0.1", "--port", "0"]
 
@@ -70,3 +70,27 @@ def test_a_refused_child_is_execd_and_the_refusal_says_why(tmp_path: Path) -> No
     finally:
         children.kill_all()
     assert forked.returncode == refused.returncode == -signal.SIGKILL
+
+
+def test_children_of_a_shared_launcher_fork_from_it_and_leave_it_running(tmp_path: Path) -> None:
+    """Two tests' fleets (each its own secret) forked by one launcher: the first's ``kill_all`` ends its children
+    and leaves the launcher to the second; the block's end ends it."""
+    with shared_launcher(tmp_path) as launcher:
+        first, second = Children(tmp_path / "first", launcher=launcher), Children(tmp_path / "second", launcher=launcher)
+        for children in (first, second):
+            children.log_dir.mkdir()
+        assert first.secret != second.secret
+        try:
+            one = first.spawn(STORE, "store")
+            serving(first, one)
+            parent = int(stat(one.pid)[1])
+        finally:
+            first.kill_all()
+        assert one.returncode == -signal.SIGKILL and alive(parent), "kill_all ended the shared launcher"
+        try:
+            two = second.spawn(STORE, "store")
+            serving(second, two)
+            assert int(stat(two.pid)[1]) == parent and first.refusals == second.refusals == []
+        finally:
+            second.kill_all()
+    assert not alive(parent), "the shared launcher outlived its block"
