@@ -76,7 +76,8 @@ def test_children_of_a_shared_launcher_fork_from_it_and_leave_it_running(tmp_pat
     """Two tests' fleets (each its own secret) forked by one launcher: the first's ``kill_all`` ends its children
     and leaves the launcher to the second; the block's end ends it."""
     with shared_launcher(tmp_path) as launcher:
-        first, second = Children(tmp_path / "first", launcher=launcher), Children(tmp_path / "second", launcher=launcher)
+        first = Children(tmp_path / "first", launcher=launcher)
+        second = Children(tmp_path / "second", launcher=launcher)
         for children in (first, second):
             children.log_dir.mkdir()
         assert first.secret != second.secret

@@ -112,9 +112,9 @@ def test_a_parallel_engine_forks_its_ranks_and_stopped_leaves_no_fork_server_fol
 
 
 def made_and_removed(tmpdir: Path, remove: bool) -> int:
-    """In a child forked from this process (spawn.py and torch imported here: the child imports nothing): make this process's multiprocessing
-    folder under ``tmpdir`` as a fork server's start does, remove it or not, and end by ``os._exit`` as the engine
-    command does; the child's exit code."""
+    """In a child forked from this process (spawn.py and torch imported here: the child imports nothing): make its
+    multiprocessing folder under ``tmpdir`` as a fork server's start does, remove it or not, and end by ``os._exit``
+    as the engine command does; the child's exit code."""
     from multiprocessing import current_process, util  # noqa: PLC0415
 
     from megatron_serve.engine.group.spawn import remove_fork_server_directory  # noqa: PLC0415
