@@ -11,7 +11,10 @@ patched module of their own) forks them with :func:`fork_ranks`."""
 from __future__ import annotations
 
 import os
+import select
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,24 +36,33 @@ def reports(output: str) -> list[list[str]]:
     return [line.removeprefix(REPORT).split("|") for line in output.splitlines() if line.startswith(REPORT)]
 
 
-def fork_ranks(target: Callable[..., Any], calls: Iterable[tuple]) -> int:
+def fork_ranks(target: Callable[..., Any], calls: Iterable[tuple], timeout: float | None = None) -> int:
     """``target(*args)`` for each ``args`` of ``calls``, each in a child forked from this process, all at once;
-    returns how many children failed (a traceback printed for each), once all have exited."""
-    return _failed(_fork(target, calls, None))
+    returns how many children failed (a traceback printed for each), once all have exited. Past ``timeout`` seconds
+    the children still running are killed and a ``TimeoutError`` says how many (a rank waiting for one that failed
+    waits out its group's time-out)."""
+    return _failed(_fork(target, calls, None), None if timeout is None else time.monotonic() + timeout)
 
 
-def forked_reports(target: Callable[..., Any], calls: Iterable[tuple]) -> tuple[int, list[list[str]]]:
+def forked_reports(target: Callable[..., Any], calls: Iterable[tuple],
+                   timeout: float = 120) -> tuple[int, list[list[str]]]:
     """:func:`fork_ranks` from the test's own process, which has imported what the ranks run (no script started to
     import it again): each child's stdout is a pipe read here (pytest holds the test's). Returns how many children
     failed and their reports (:func:`reports`)."""
+    deadline = time.monotonic() + timeout
     read, write = os.pipe()
     try:
         children = _fork(target, calls, write)
     finally:
         os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        output = pipe.read().decode(errors="replace")  # the end of the file once every child has exited
-    return _failed(children), reports(output)
+    output = []
+    with os.fdopen(read, "rb", buffering=0) as pipe:  # read as it comes: a full pipe would stop a child writing
+        while select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = pipe.read(65536)
+            if not chunk:  # the end of the file: every child has exited
+                break
+            output.append(chunk)
+    return _failed(children, deadline), reports(b"".join(output).decode(errors="replace"))
 
 
 def _fork(target: Callable[..., Any], calls: Iterable[tuple], stdout: int | None) -> list[int]:
@@ -78,5 +90,20 @@ def _fork(target: Callable[..., Any], calls: Iterable[tuple], stdout: int | None
     return children
 
 
-def _failed(children: list[int]) -> int:
-    return sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children)
+def _failed(children: list[int], deadline: float | None) -> int:
+    codes: dict[int, int] = {}
+    while True:
+        for pid in children:
+            if pid not in codes:
+                done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        running = [pid for pid in children if pid not in codes]
+        if not running:
+            return sum(code != 0 for code in codes.values())
+        if deadline is not None and time.monotonic() > deadline:
+            for pid in running:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            raise TimeoutError(f"{len(running)} of {len(children)} forked ranks still ran at their time-out: killed")
+        time.sleep(0.05)

@@ -193,7 +193,7 @@ def layer_outputs(model_dirs: list[str], tmp_path) -> dict[int, dict[tuple[str, 
     for size, cases in LAYER_CASES.items():  # every rank a child forked from this process, which has imported torch
         port = free_port()
         ranks += [(model_dirs, rank, size, port, str(tmp_path / f"{size}-{rank}.pt"), cases) for rank in range(size)]
-    assert fork_ranks(probe, ranks) == 0
+    assert fork_ranks(probe, ranks, timeout=300) == 0
     return {size: merged_ranks([torch.load(tmp_path / f"{size}-{rank}.pt") for rank in range(size)])
             for size in LAYER_CASES}
 
