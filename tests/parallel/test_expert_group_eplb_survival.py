@@ -26,7 +26,7 @@ from .test_expert_parallel_eplb import skewed_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TOKENS = 48
+TOKENS = 32
 #: a plan every 8 steps from the last 8: the experts move during the uninterrupted run, and again over the three left
 EPLB = {"window_size": 8, "step_interval": 8, "num_redundant_experts": 4}
 #: a plan every step from the last one: under a router without favourites the layers move nearly every step
