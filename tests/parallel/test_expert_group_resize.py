@@ -28,7 +28,7 @@ from .expert_group_stack import KILLED, PROMPTS, RANKS, ExpertGroup, expert_grou
 # comes after it (a stack's start, four engine processes importing torch, was half of each test's CPU).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
 
-TOKENS = 32
+TOKENS = 20
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

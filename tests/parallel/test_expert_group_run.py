@@ -32,7 +32,7 @@ from .test_data_parallel_gang_run import data_parallel_rank
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = [f"Elastic {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(6)]
-TOKENS = 32
+TOKENS = 20
 
 
 async def until(holds: Callable[[], bool], stack: RunStack, timeout: float = 60) -> None:
