@@ -16,10 +16,12 @@ Fixtures (import them into a conftest or test module: ``from .real_cluster impor
     ``KUBECONFIG`` alone is not read: the emulator suites point it at their own emulator while they import.
 
 ``kube_namespace`` (function) -> :class:`Namespace`
-    A fresh namespace named after the test (``.name``, ``.kubeconfig``, ``.cluster``), deleted after the test without
-    waiting for its objects to go (the namespace controller finishes that in the background). Made and deleted
-    in-process with the admin's client (:meth:`KubeCluster.admin`): no test is about a namespace's own making, and a
-    ``kubectl`` process for each was two Go processes a test (docs/testing.md).
+    A fresh namespace named after the test (``.name``, ``.kubeconfig``, ``.cluster``). Afterwards its workloads and
+    pods are deleted, and the namespace too (without waiting: the namespace controller finishes in the background)
+    unless the cluster is discarded with the run (the fixture's own, or ``make test``'s with
+    ``--kube-cluster-down-when-unused``). Made and deleted in-process with the admin's client
+    (:meth:`KubeCluster.admin`): no test is about a namespace's own making, and a ``kubectl`` process for each was two
+    Go processes a test (docs/testing.md).
 
 A :class:`KubeCluster` gives ``kubeconfig`` (the admin's), ``kubectl(...)``/``helm(...)`` (the cluster's own binaries
 when ``tools/kube-cluster`` made it, else those on PATH), ``api_client()`` (the official ``kubernetes`` client),
@@ -42,6 +44,8 @@ from dataclasses import dataclass
 import filelock
 import kubernetes
 import pytest
+
+from .cluster_users import OPTION
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "kube-cluster"
@@ -183,18 +187,50 @@ def _namespace_name(test_name: str) -> str:
     return f"{base}-{uuid.uuid4().hex[:6]}"
 
 
+def discarded_after_the_run(kube: KubeCluster, config: pytest.Config) -> bool:
+    """True when the cluster goes away with this run: the one the ``kube`` fixture started itself, or the one
+    ``--kube-cluster-down-when-unused`` (``make test``) stops once its tests are done."""
+    if kube.directory is None:
+        return False
+    down_when_unused = config.getoption(OPTION, default=None)
+    return kube.directory.resolve() in {(_shared_folder() / "cluster").resolve(),
+                                        *([pathlib.Path(down_when_unused).resolve()] if down_when_unused else [])}
+
+
+def _stop_what_runs(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Delete the namespace's workloads and pods (LeaderWorkerSets where the cluster serves them, HPAs): nothing of
+    the test's keeps a controller busy or holds a node's GPUs once it is over, whether the namespace goes or not."""
+    apps, core = kubernetes.client.AppsV1Api(api), kubernetes.client.CoreV1Api(api)
+    for collection in (apps.delete_collection_namespaced_stateful_set, apps.delete_collection_namespaced_deployment,
+                       apps.delete_collection_namespaced_replica_set, core.delete_collection_namespaced_pod,
+                       kubernetes.client.AutoscalingV2Api(api).delete_collection_namespaced_horizontal_pod_autoscaler):
+        collection(namespace)
+    try:
+        kubernetes.client.CustomObjectsApi(api).delete_collection_namespaced_custom_object(
+            "leaderworkerset.x-k8s.io", "v1", namespace, "leaderworkersets")
+    except kubernetes.client.ApiException as error:
+        if error.status != 404:  # 404: the cluster serves no LeaderWorkerSets (runs no LWS controller)
+            raise
+
+
 @pytest.fixture
 def kube_namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
-    """A namespace for this test alone, deleted afterwards."""
+    """A namespace for this test alone. Afterwards what runs in it is deleted, and the namespace itself too where the
+    cluster outlives the run. On a cluster discarded with the run it stays: deleting a namespace has the namespace
+    controller list and delete every namespaced kind in it, the most API requests of any one client of the
+    real-cluster files (docs/testing.md has the figures), for a cluster that goes down minutes later anyway."""
     name = _namespace_name(request.node.name)
-    core = kubernetes.client.CoreV1Api(kube.admin())
+    api = kube.admin()
+    core = kubernetes.client.CoreV1Api(api)
     core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
                            "metadata": {"name": name, "labels": {"megatron-serve.test": "true"}}})
     try:
         yield Namespace(name, kube)
     finally:
-        try:
-            core.delete_namespace(name)  # returns at once: the namespace controller empties it in the background
-        except kubernetes.client.ApiException as error:
-            if error.status != 404:  # gone already is what a clean-up wants
-                raise
+        _stop_what_runs(api, name)
+        if not discarded_after_the_run(kube, request.config):
+            try:
+                core.delete_namespace(name)  # returns at once: the namespace controller empties it in the background
+            except kubernetes.client.ApiException as error:
+                if error.status != 404:  # gone already is what a clean-up wants
+                    raise

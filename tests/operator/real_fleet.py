@@ -53,7 +53,7 @@ class Fleet:
         rendered = self.helm.run("template", self.release, str(CHART), f"--namespace={self.kubectl.namespace}",
                                  "--set=rbac.scope=namespace", f"--set=watchNamespaces={{{self.kubectl.namespace}}}",
                                  "--show-only=templates/serviceaccount.yaml", "--show-only=templates/rbac.yaml").stdout
-        self.kubectl.apply(rendered)
+        self.kubectl.put(rendered)
 
     def claim(self, claim: str) -> None:
         """A PersistentVolume and the claim ``claim``, bound by the real PV controller."""
@@ -102,7 +102,7 @@ class Fleet:
                 "status": ready_status(capacity) if kubelet else {"capacity": capacity, "allocatable": dict(capacity)},
             })
             self.cluster_objects.append(f"node/{name}")
-        self.kubectl.apply(nodes)
+        self.kubectl.put(nodes)
         if kubelet:
             self.leases = self.leases or NodeLeases(self.kubectl.kubeconfig)
             for node in nodes:

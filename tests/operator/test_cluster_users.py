@@ -167,3 +167,30 @@ def test_a_folder_without_a_cluster_is_refused(tmp_path: Path):
     done = _pytest(root, tmp_path, f"{OPTION}={tmp_path}")
     assert done.returncode != 0
     assert f"{OPTION}={tmp_path}: no tools/kube-cluster cluster there" in done.stdout + done.stderr
+
+
+class _Options:
+    """What ``discarded_after_the_run`` reads of a ``pytest.Config``: its ``getoption`` (a stand-in, so that each
+    value of the option can be given without a pytest run of its own)."""
+
+    def __init__(self, value: Path | None) -> None:
+        self.value = value
+
+    def getoption(self, name: str, default: object = None) -> object:
+        assert name == OPTION, name
+        return self.value
+
+
+def test_a_tests_namespace_is_left_only_on_a_cluster_discarded_with_the_run(tmp_path: Path):
+    """kube_namespace deletes a test's namespace unless the cluster goes away with the run: the one ``make test``
+    stops through the option, or the one the ``kube`` fixture started itself (the control: any other cluster)."""
+    from .real_cluster import KubeCluster, _shared_folder, discarded_after_the_run
+
+    ours = KubeCluster(tmp_path / "kube" / "kubeconfig", tmp_path / "kube")
+    assert discarded_after_the_run(ours, _Options(tmp_path / "kube"))
+    assert discarded_after_the_run(ours, _Options(tmp_path / "other" / ".." / "kube"))  # the same folder
+    assert not discarded_after_the_run(ours, _Options(None))  # a developer's `tools/kube-cluster up` outlives runs
+    assert not discarded_after_the_run(ours, _Options(tmp_path / "other"))
+    assert not discarded_after_the_run(KubeCluster(tmp_path / "kind.kubeconfig"), _Options(tmp_path / "kube"))
+    fixtures_own = KubeCluster(_shared_folder() / "cluster" / "kubeconfig", _shared_folder() / "cluster")
+    assert discarded_after_the_run(fixtures_own, _Options(None))
