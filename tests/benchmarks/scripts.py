@@ -4,6 +4,7 @@ as ``__main__`` in a child forked from the test's process (:func:`run_script`)."
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import runpy
@@ -84,6 +85,7 @@ def _run_in_child(script: Path, argv: list[str], out: Path, err: Path, env: dict
     """The forked child of :func:`run_script`: the script as a process of its own would run it, then ``os._exit``
     with its code. Never returns."""
     code, cleared = 1, False
+    gc.freeze()  # the test process's heap, inherited: none of the script's collections walks (and copies) it
     try:
         for fd, path in ((1, out), (2, err)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
