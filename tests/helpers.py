@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from collections import Counter
 from types import ModuleType, SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 import httpx
 import zmq
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from megatron_serve.wire.sampling_params import SamplingParams
 
 PY = sys.executable
+T = TypeVar("T")
 
 
 def alive(pid: int) -> bool:
@@ -132,6 +133,27 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str, interva
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
+
+
+async def while_held(pids: list[int], client: InferenceClient, verb: Awaitable[T], name: str) -> T:
+    """``verb`` (a control call of ``client``, not yet awaited) sent while the engine processes ``pids`` are stopped
+    (SIGSTOP): they continue once the coordinator holds it (``name`` among its ``pending_controls``) and read it at
+    their next step's end. Without this a tiny model's engines run on between the test's decision and the verb's
+    arrival; on a loaded machine, where the test's process may wait a second or more for a core, long enough to
+    finish requests the test means to catch in flight."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = asyncio.ensure_future(verb)
+        await until(lambda: sent.done() or _holds(client, name), 60, f"the coordinator to hold {name}")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return await sent
+
+
+async def _holds(client: InferenceClient, name: str) -> bool:
+    return name in (await client.status())["pending_controls"]
 
 
 def rank_processes(engine_pid: int) -> list[int]:

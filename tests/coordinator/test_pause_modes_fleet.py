@@ -24,7 +24,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import process_fleet, until
+from ..helpers import process_fleet, until, while_held
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -135,11 +135,11 @@ async def test_wait_finishes_running_requests_before_the_acknowledgement_and_hol
 
 
 async def test_abort_ends_every_request_at_once_with_its_tokens_so_far_and_a_resubmission_continues_it(
-        client, direct):
+        fleet, client, direct):
     before = await client.status()
     flight = Flight(client, PROMPTS, GREEDY)
     await until(lambda: len(flight.started()) >= 2, 120, "two requests generating")
-    ack = await client.pause("abort")
+    ack = await while_held([e.pid for e in fleet.engines], client, client.pause("abort"), "PAUSE")
     detail = ack["detail"]
     assert ack["state"] == "PAUSED" and detail["mode"] == "abort" and detail["aborted"] == len(PROMPTS)
     # The engines dropped their requests before they paused: nothing is left to run anywhere.

@@ -22,7 +22,7 @@ from megatron_serve.client.coordinator_client import ControlError, InferenceClie
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import greedy_tokens, process_fleet
+from ..helpers import greedy_tokens, process_fleet, while_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -72,7 +72,7 @@ async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
         streams = [client.add_request_streaming(p, LONG) for p in PROMPTS[:4]]
         firsts = await asyncio.gather(*(anext(s) for s in streams))
         assert all(isinstance(f, StreamPartial) and f.new_tokens for f in firsts)
-        await client.pause()
+        await while_held([e.pid for e in fleet.engines], client, client.pause(), "PAUSE")  # the streams still running
         ack = await client.refit(checkpoints.b, epoch=5)
         assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 5 and ack["detail"]["source"] == checkpoints.b
         engines = ack["detail"]["engines"]
