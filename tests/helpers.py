@@ -135,12 +135,36 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str, interva
         await asyncio.sleep(interval)
 
 
+async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: str, *, pulse_s: float = 0.001,
+                        settle_s: float = 0.1, timeout: float = 120) -> None:
+    """Stop the engine processes ``pids`` (SIGSTOP) and let them run ``pulse_s`` at a time until ``predicate()``
+    holds; they are left stopped, for :func:`while_held` to send a verb to. A pulse is SIGCONT, a blocking sleep and
+    SIGSTOP, with no turn of this process's event loop in between; then up to ``settle_s`` for what the pulse made
+    to reach this process. So the engines never run on while this process waits for a core, a collection or a
+    frame: a test that waited for its condition with them running let a tiny model's engines finish, on a loaded
+    machine, the very requests it meant to catch in flight (at most a pulse's tokens pass between the condition
+    and the verb now)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s of pulses waiting for {what}")
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(pulse_s)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        settled = time.monotonic() + settle_s
+        while not predicate() and time.monotonic() < settled:
+            await asyncio.sleep(0.005)
+
+
 async def while_held(pids: list[int], client: InferenceClient, verb: Awaitable[T], name: str) -> T:
     """``verb`` (a control call of ``client``, not yet awaited) sent while the engine processes ``pids`` are stopped
-    (SIGSTOP): they continue once the coordinator holds it (``name`` among its ``pending_controls``) and read it at
-    their next step's end. Without this a tiny model's engines run on between the test's decision and the verb's
-    arrival; on a loaded machine, where the test's process may wait a second or more for a core, long enough to
-    finish requests the test means to catch in flight."""
+    (SIGSTOP; :func:`run_in_pulses` leaves them so): they continue once the coordinator holds it (``name`` among its
+    ``pending_controls``) and read it at their next step's end, not having run on between the test's decision and
+    the verb's arrival."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:

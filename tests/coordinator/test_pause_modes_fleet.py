@@ -24,7 +24,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import process_fleet, until, while_held
+from ..helpers import process_fleet, run_in_pulses, until, while_held
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,11 +89,12 @@ class Flight:
             assert final.generated_tokens == self.tokens[i], i
 
 
-async def test_keep_pauses_requests_in_place_and_they_complete_after_unpause(client, direct):
+async def test_keep_pauses_requests_in_place_and_they_complete_after_unpause(fleet, client, direct):
     before = await client.status()
     flight = Flight(client, PROMPTS[:12], GREEDY)
-    await until(lambda: len(flight.started()) >= 2, 120, "two requests generating")
-    ack = await client.pause()  # the default
+    engines = [e.pid for e in fleet.engines]
+    await run_in_pulses(engines, lambda: len(flight.started()) >= 2, "two requests generating")
+    ack = await while_held(engines, client, client.pause(), "PAUSE")  # the default mode
     assert ack["state"] == "PAUSED" and ack["detail"]["mode"] == "keep"
     status = await client.status()
     finished = status["completed"] - before["completed"]
@@ -138,8 +139,9 @@ async def test_abort_ends_every_request_at_once_with_its_tokens_so_far_and_a_res
         fleet, client, direct):
     before = await client.status()
     flight = Flight(client, PROMPTS, GREEDY)
-    await until(lambda: len(flight.started()) >= 2, 120, "two requests generating")
-    ack = await while_held([e.pid for e in fleet.engines], client, client.pause("abort"), "PAUSE")
+    engines = [e.pid for e in fleet.engines]
+    await run_in_pulses(engines, lambda: len(flight.started()) >= 2, "two requests generating")
+    ack = await while_held(engines, client, client.pause("abort"), "PAUSE")
     detail = ack["detail"]
     assert ack["state"] == "PAUSED" and detail["mode"] == "abort" and detail["aborted"] == len(PROMPTS)
     # The engines dropped their requests before they paused: nothing is left to run anywhere.
