@@ -109,7 +109,8 @@ class CoordinatorCore:
                                  verbs=self.verbs, outbox=self.outbox, remove_engine=self.remove_engine)
         self.handshake = Handshake(members=members, lifecycle=self.lifecycle, weights=self.weights, flow=self.flow,
                                    liveness=self.liveness, deadlines=self.deadlines, outbox=self.outbox,
-                                   drop=self.drop, remove_engine=self.remove_engine)
+                                   drop=self.drop, remove_engine=self.remove_engine,
+                                   kv_events=self.dispatcher.policy.reads_kv_events)
 
     # ------------------------------------------------------------------ inputs
 

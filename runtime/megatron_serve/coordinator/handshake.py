@@ -46,10 +46,12 @@ class Handshake:
 
     def __init__(self, *, members: Membership, lifecycle: Lifecycle, weights: FleetWeights, flow: RequestFlow,
                  liveness: Liveness, deadlines: Deadlines, outbox: Outbox, drop: DropLog,
-                 remove_engine: RemoveEngine) -> None:
+                 remove_engine: RemoveEngine, kv_events: bool) -> None:
+        """``kv_events``: whether engines are asked for their KV events (the routing policy reads them)."""
         self.members, self.lifecycle, self.weights, self.flow = members, lifecycle, weights, flow
         self.liveness, self.deadlines, self.outbox, self.drop = liveness, deadlines, outbox, drop
         self.remove_engine = remove_engine
+        self.kv_events = kv_events
 
     def on_hello(self, identity: bytes, body: Hello, now: float, key: bytes | None = None,
                  probed: bool = False) -> None:
@@ -89,7 +91,7 @@ class Handshake:
         engine = self.members.engines.get(known[1]) if known[0] is Role.ENGINE else None
         if engine is not None:
             ack.engine_id, ack.engine_group, ack.suspend_level = engine.engine_id, engine.group, lifecycle.suspend_level
-            ack.heartbeat_interval = HEARTBEAT_INTERVAL
+            ack.heartbeat_interval, ack.kv_events = HEARTBEAT_INTERVAL, self.kv_events
         self.outbox.send(identity, Header.HELLO_ACK, ack)
 
     def _register_engine(self, identity: bytes, body: Hello, now: float, probed: bool) -> None:
@@ -139,7 +141,8 @@ class Handshake:
         self.outbox.send(identity, Header.HELLO_ACK, HelloAck(
             coordinator_id=lifecycle.coordinator_id, state=lifecycle.state.value, engine_id=engine_id,
             engine_group=group, suspend_level=lifecycle.suspend_level, heartbeat_interval=HEARTBEAT_INTERVAL,
-            refit=refit, protocol=PROTOCOL_VERSION, loras=dict(self.weights.loaded_loras) or None))
+            refit=refit, protocol=PROTOCOL_VERSION, loras=dict(self.weights.loaded_loras) or None,
+            kv_events=self.kv_events))
         logger.info("engine %s registered: group %d, capacity %d, adopts state %s%s", engine_id, group,
                     engine.capacity, lifecycle.state.value,
                     "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))

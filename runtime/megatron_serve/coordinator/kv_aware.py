@@ -41,6 +41,7 @@ class KVAware:
 
     name = "kv_aware"
     by_load_alone = False
+    reads_kv_events = True
 
     def __init__(self, index: KVIndex, *, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
                  temperature: float = DEFAULT_TEMPERATURE, max_load_gap: int = DEFAULT_MAX_LOAD_GAP,

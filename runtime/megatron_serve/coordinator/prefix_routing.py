@@ -93,6 +93,7 @@ class PrefixAffinity:
 
     name = "prefix_affinity"
     by_load_alone = False
+    reads_kv_events = False  # it keeps the chains it routed itself
 
     def __init__(
         self,

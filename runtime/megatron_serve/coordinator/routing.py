@@ -79,6 +79,9 @@ class RoutingPolicy(Protocol):
     #: Whether it always chooses the candidate of the least :func:`load_key`: dispatch then answers from the
     #: candidates' own load order (:mod:`.candidates`) without listing them.
     by_load_alone: bool
+    #: Whether it reads the KV index: only then are engines asked for their KV events (``HelloAck.kv_events``), a
+    #: frame per step that a policy reading none would have the coordinator receive, decode and file for nothing.
+    reads_kv_events: bool
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         """Return the engine to run ``request`` (``candidates`` is never empty), or ``None`` to hold it."""
@@ -105,6 +108,7 @@ class LeastLoaded:
 
     name = "least_loaded"
     by_load_alone = True
+    reads_kv_events = False
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         return min(candidates, key=load_key)
@@ -121,6 +125,7 @@ class RoundRobin:
 
     name = "round_robin"
     by_load_alone = False
+    reads_kv_events = False
 
     def __init__(self) -> None:
         self._last: tuple[int, int] | None = None

@@ -62,6 +62,9 @@ class HelloAck(Body):
     protocol: int = 1
     tokenizer: str | None = None  # to clients: the directory of the coordinator's tokenizer files
     loras: dict[str, str] | None = None  # to engines: LoRA adapters LOAD_LORA made the fleet serve, to load first
+    # To engines: whether to send KV_EVENTS (the coordinator's routing reads them); an ack without it (an older
+    # coordinator's) asks for them
+    kv_events: bool = True
 
 
 class Error(Body):

@@ -27,7 +27,10 @@ def on_registered(shell: Shell, ack: HelloAck, session: int) -> None:
                        "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
     shell.session = session
     shell.engine_id = ack.engine_id
-    engine.kv_events.attach(shell.send_kv_events)  # the coordinator's index starts from what it holds now
+    if ack.kv_events:  # the coordinator's routing reads them: its index starts from what the engine holds now
+        engine.kv_events.attach(shell.send_kv_events)
+    else:  # not gathered at all unless another sink (--kv-events-config) wants them
+        engine.kv_events.detach(shell.send_kv_events)
     logger.info("registered with coordinator %s as %s (group %s), state %s", ack.coordinator_id,
                 shell.engine_id, ack.engine_group, ack.state)
     problem = engine.call(REGISTER, ack).get("error")
