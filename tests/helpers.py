@@ -144,20 +144,25 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
     frame: a test that waited for its condition with them running let a tiny model's engines finish, on a loaded
     machine, the very requests it meant to catch in flight (at most a pulse's tokens pass between the condition
     and the verb now)."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    def signal_all(number: signal.Signals) -> None:
+        for pid in pids:
+            os.kill(pid, number)
+
+    signal_all(signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s of pulses waiting for {what}")
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
-        time.sleep(pulse_s)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        settled = time.monotonic() + settle_s
-        while not predicate() and time.monotonic() < settled:
-            await asyncio.sleep(0.005)
+    try:
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout} s of pulses waiting for {what}")
+            signal_all(signal.SIGCONT)
+            time.sleep(pulse_s)
+            signal_all(signal.SIGSTOP)
+            settled = time.monotonic() + settle_s
+            while not predicate() and time.monotonic() < settled:
+                await asyncio.sleep(0.005)
+    except BaseException:
+        signal_all(signal.SIGCONT)  # a failed test's engines still stop when its fleet is torn down
+        raise
 
 
 async def while_held(pids: list[int], client: InferenceClient, verb: Awaitable[T], name: str) -> T:
