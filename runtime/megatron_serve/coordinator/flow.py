@@ -28,10 +28,11 @@ from .droplog import DropLog
 from .effects import Outbox
 from .peers import ClientRecord, EngineRecord
 from .placement import admit, pinned_gone, refusal_code
-from .requests import Phase, RequestRecord, RequestTable, final_facts
+from .requests import DeltaFacts, Phase, RequestRecord, RequestTable, final_facts
 from .step_tokens import StepShares, catch_up
 
 _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
+_FACTS = msgspec.msgpack.Decoder(DeltaFacts)
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
@@ -81,7 +82,7 @@ class RequestFlow:
             record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
                                    prompt_tokens=prompts.prompt_ids(body.prompt), params=params,
                                    params_wire=params_wire, stream=bool(body.stream),
-                                   out=DeltaAccumulator(body.generated_tokens),
+                                   mirror=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
             cost = engine_request_cost(len(record.prompt_tokens), params)
             over = over_budget(cost, self.max_request_logprobs)
@@ -214,24 +215,42 @@ class RequestFlow:
 
     def on_step(self, engine: EngineRecord, body: EngineStep) -> None:
         """An engine's step: each request's share mirrored and sent on to its client in one ``STEP_TOKENS``, then
-        the finished ones' RESULTs."""
+        the finished ones' RESULTs.
+
+        A plain share (ids and epochs, what most steps carry) is read only for its request id, its ids and whether it
+        ends the request, and filed as its bytes (:meth:`RequestRecord.file`); one with routing rows, prompt scores or
+        kept ids, one of a request with a kept-ids budget, and every share while a prefill hands requests on to
+        decode engines, is read whole and mirrored at once."""
         if body.engine_id != engine.engine_id:
             # Output of an earlier registration of this same socket: its requests were re-queued.
             self._drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
             return
-        records, engine_id, decode = self.table.records, engine.engine_id, _STEP_OUTPUT.decode
+        records, engine_id, clients, facts_of = self.table.records, engine.engine_id, self._clients, _FACTS.decode
         steps = StepShares()  # what each client gets of this step, one message
         finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]] = []
         over: list[tuple[RequestRecord, str]] = []
+        careful = self.handoffs.active
         for raw in body.outputs:
             try:
-                out = decode(raw)
+                facts = facts_of(raw)
+                record = records.get(facts.request_id)
+                whole = (careful or facts.routing or facts.prompt_scores or facts.top_p_token_ids
+                         or (record is not None and record.kept is not None))
+                out = _STEP_OUTPUT.decode(raw) if whole else None
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 self._drop(engine.engine_id, f"ENGINE_STEP output: {exc}")
                 continue
-            record = records.get(out.request_id)
             if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine_id:
                 self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
+                continue
+            if out is None:
+                if facts.new_tokens:
+                    record.file(raw)
+                    client = clients.get(record.client_id)
+                    if client is not None and client.identity is not None:
+                        steps.add(client.identity, client.batches, record.client_request_id, raw)
+                if facts.finished:
+                    finished.append((record, body.records.get(facts.request_id), False))
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, raw, steps)

@@ -14,6 +14,9 @@ request whose engine disappears is queued again and continues elsewhere from tho
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
 What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, for one reason only:
 a client that reconnects gets the tokens it missed again, whole (a catch-up in ``STEP_TOKENS``).
+A step's plain deltas are filed as the engine's bytes (:meth:`RequestRecord.file`) and read into the mirror
+only when something reads it (a move, a catch-up, an abort): most requests finish without that, and an engine
+step costs the coordinator a copy per request instead of a decode and an accumulation.
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
 coordinator reads only how it ended (:func:`final_facts`; the client validates it where it enters its process).
@@ -25,6 +28,7 @@ import collections
 import enum
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -34,8 +38,8 @@ import msgspec
 from ..limits import KeptIdsMeter
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
-from ..wire.body import ClientId
-from ..wire.deltas import RequestDelta, RoutingRows, TokenDelta
+from ..wire.body import ClientId, TokenId
+from ..wire.deltas import RequestDelta, RoutingRows, TokenDelta, delta_array
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent
@@ -43,6 +47,8 @@ from ..wire.sampling_params import SamplingParams
 from ..wire.tenancy import STANDARD_BAND
 from ..scheduling.queue_policy import QueuePolicy
 from .fair_queue import FairQueue
+
+logger = logging.getLogger("megatron_serve.coordinator")
 
 
 class Phase(enum.Enum):
@@ -68,8 +74,9 @@ class RequestRecord:
     params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
     stream: bool
     # What the engines' deltas carried (after the tokens a resubmission came with): the mirror a moved
-    # request continues from, the same accumulation as the client's (wire.accumulator)
-    out: DeltaAccumulator = field(default_factory=DeltaAccumulator)
+    # request continues from, the same accumulation as the client's (wire.accumulator); read it as ``out``
+    mirror: DeltaAccumulator = field(default_factory=DeltaAccumulator)
+    unread: list[msgspec.Raw] = field(default_factory=list)  # deltas filed after the mirror's, as their bytes
     events: list[RequestEvent] = field(default_factory=list)  # what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED
@@ -99,6 +106,19 @@ class RequestRecord:
 
     def add_event(self, event_type: str, detail: str) -> None:
         self.events.append(RequestEvent(EventType(event_type), time.time(), detail))
+
+    @property
+    def out(self) -> DeltaAccumulator:
+        """The mirror, with every delta filed so far read into it."""
+        if self.unread:
+            unread, self.unread = self.unread, []
+            for delta in _read(unread, self.request_id):
+                self.mirror.add(delta, self.request_id)
+        return self.mirror
+
+    def file(self, delta: msgspec.Raw) -> None:
+        """Keep a step's delta as its bytes (copied: the frame it came in is not held), read when the mirror is."""
+        self.unread.append(delta.copy())
 
     @property
     def generated_tokens(self) -> list[int]:
@@ -139,6 +159,37 @@ class RequestRecord:
         if out.routing is not None:  # every row: the client keeps those it has
             delta.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return delta
+
+
+_DELTAS = msgspec.msgpack.Decoder(list[TokenDelta])
+_DELTA = msgspec.msgpack.Decoder(TokenDelta)
+
+
+def _read(unread: list[msgspec.Raw], request_id: str) -> list[TokenDelta]:
+    """Filed deltas, decoded in one call; one by one when that fails, leaving out (and logging) each unreadable one."""
+    try:
+        return _DELTAS.decode(delta_array(unread))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        deltas = []
+        for raw in unread:
+            try:
+                deltas.append(_DELTA.decode(raw))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                logger.warning("request %s: a delta not mirrored: %s", request_id, exc)
+        return deltas
+
+
+class DeltaFacts(msgspec.Struct):
+    """What the coordinator reads of a ``RequestDelta`` as it passes (the rest is skipped, not parsed): whose, its
+    ids, whether it ends the request, and whether it carries one of the rarer fields that are read whole (each a
+    non-empty ``Raw`` when present)."""
+
+    request_id: str
+    new_tokens: list[TokenId]
+    finished: bool = False
+    routing: msgspec.Raw = msgspec.Raw()
+    prompt_scores: msgspec.Raw = msgspec.Raw()
+    top_p_token_ids: msgspec.Raw = msgspec.Raw()
 
 
 class FinalFacts(msgspec.Struct):

@@ -134,6 +134,11 @@ def delta_past(delta: TokenDelta, start: int, have: int) -> TokenDelta | None:
                                    top_p_token_ids=cut_some(delta.top_p_token_ids))
 
 
+def delta_array(deltas: list[msgspec.Raw]) -> bytes:
+    """Encoded deltas as one msgpack array of them (decoded in one call: ``Decoder(list[TokenDelta])``)."""
+    return b"\xdd" + len(deltas).to_bytes(4, "big") + b"".join(deltas)
+
+
 class StepTokensOut(Body):
     """:class:`StepTokens` as the coordinator writes it: the engine's deltas spliced in as they came."""
 
