@@ -119,3 +119,49 @@ async def test_event_data_escapes_unicode_line_breaks(tokenizer):
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == text
     assert event(b'"\xe2\x80\xa8\xc2\x85"') == b'data: "\\u2028\\u0085"\n\n'
+
+
+async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_their_whole_answers(
+        tiny_model, tokenizer, monkeypatch):
+    """A plain stream's tokens after its first go from the client's collector to the answer's writer as text alone
+    (``_TextTagged.put_text``, counted by a wrapper that keeps it), completions and chats alike, and the text is the
+    whole answer's; a stream whose chunks list token ids takes whole pieces, each with its ids."""
+    from megatron_serve.server import generation
+
+    taken: list[str] = []
+    put_text = generation._TextTagged.put_text
+
+    def counted(self, text: str) -> bool:
+        took = put_text(self, text)
+        if took:
+            taken.append(text)
+        return took
+
+    monkeypatch.setattr(generation._TextTagged, "put_text", counted)
+    async with served(tiny_model, tokenizer) as (client, _):
+        async def completion(prompt: str) -> str:
+            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                     stream=True, extra_body=IGNORE_EOS)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        async def chat(prompt: str) -> str:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
+                stream=True, extra_body=IGNORE_EOS)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        prompts = PROMPTS[:10]
+        streamed = await asyncio.gather(*(completion(p) for p in prompts), *(chat(p) for p in prompts))
+        assert len(taken) >= 20 * 10  # most of each stream's 15 later tokens (a held byte's text comes whole)
+        whole = [(await client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
+                                                  extra_body=IGNORE_EOS)).choices[0].text for p in prompts]
+        chats = [(await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0,
+            extra_body=IGNORE_EOS)).choices[0].message.content for p in prompts]
+        assert streamed == whole + chats
+
+        taken.clear()
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={**IGNORE_EOS, "return_token_ids": True})
+        ids = [c.choices[0].model_extra["token_ids"] async for c in stream if c.choices]
+        assert taken == [] and sum(len(i or []) for i in ids) == 16

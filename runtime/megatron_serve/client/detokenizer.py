@@ -190,6 +190,28 @@ class IncrementalDetokenizer:
         if self.ends is not None:
             self.ends.append(self._done_length)
 
+    def take_one(self, token: int) -> str:
+        """:meth:`extend` with one token, then :meth:`take_new_text` (not final): the new text to show, for a
+        detokenizer without stop strings or token texts (a plain stream's one token a step). A token whose text
+        its tokenizer keeps, that comes when nothing is pending or untaken, is its text at once; any other takes
+        the general way."""
+        texts = self._texts
+        done = self._done
+        if (texts is not None and self._read_offset == len(self._visible) and self._sent_piece == len(done)
+                and self.emitted == self._done_length and token not in self._special):
+            text = texts.get(token)
+            if text is not None and not text.endswith("\ufffd"):
+                self._visible.append(token)
+                self._prefix_offset = self._read_offset
+                self._read_offset += 1
+                self._seen += 1
+                done.append(text)
+                self._sent_piece = len(done)
+                self.emitted = self._sent_start = self._done_length = self._done_length + len(text)
+                return text
+        self.extend([token])
+        return self.take_new_text(final=False)
+
     def _find_stop(self, text: str, word: str, checked: int) -> int:
         """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
         return text.find(word, max(0, max(checked, self._stop_floor) - len(word) + 1))

@@ -79,6 +79,9 @@ def _top_maps(ids: list[list[int]], log_probs: list[list[float]]) -> list[dict[i
 class OutputCollector:
     """One request's outputs as its deltas arrive; ``tokenizer=None`` makes no text (it stays empty)."""
 
+    __slots__ = ("request_id", "prompt", "params", "prompt_tokens", "detokenizer", "listed", "out", "arrival_time",
+                 "first_token_time", "stopped", "plain")  # (a step reads every stream's: one object each)
+
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  tokenizer: "Tokenizer | None", prompt_tokens: list[int] | None = None) -> None:
         """``prompt``: as the caller gave it; ``prompt_tokens``: a text prompt's ids when this process made them."""
@@ -94,6 +97,8 @@ class OutputCollector:
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.stopped = False  # a stop string ended it: later deltas are dropped
+        # Its pieces are text alone, with nothing to list or hold back for a stop string: add_plain takes its deltas
+        self.plain = self.detokenizer is not None and not params.stop_words and self.detokenizer.ends is None
 
     @property
     def text(self) -> str:
@@ -140,6 +145,17 @@ class OutputCollector:
             if detokenizer.ends is not None:
                 self._list(piece, final=self.stopped)
         return piece
+
+    def add_plain(self, delta: TokenDelta) -> str | None:
+        """Take one delta of a :attr:`plain` collector's stream (after its first token) that carries one id and its
+        epochs alone, what most steps bring: the new text it adds (maybe empty), with no piece made. None, having
+        taken nothing, for any other delta (:meth:`add` takes it)."""
+        if not self.plain or self.first_token_time is None:
+            return None
+        token = self.out.add_plain(delta)
+        if token is None:
+            return None
+        return self.detokenizer.take_one(token)
 
     def _list(self, piece: StreamPartial, final: bool) -> None:
         """Put in ``piece`` the listing of the tokens a log-prob listing may show now: those whose text was all sent

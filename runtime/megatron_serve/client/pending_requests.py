@@ -24,6 +24,7 @@ from ..limits import KeptIdsMeter
 from ..wire.deltas import TokenDelta, delta_past
 from ..wire.placement import Placement
 from .output_processor import OutputCollector
+from .outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinalRecord
 from ..wire.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ from ..wire.sampling_params import SamplingParams
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord | None)
 
 
-@dataclass
+@dataclass(slots=True)  # (a step reads every stream's: one object each, no dict beside it)
 class PendingRequest:
     request_id: str
     prompt: list[int]  # token ids: the caller's process tokenizes
@@ -45,9 +46,13 @@ class PendingRequest:
     placement: Placement | None = None  # its session and data-parallel rank (wire.placement)
     meter: KeptIdsMeter | None = None  # its request's kept ids counted as delivered (on_delta)
     put: Callable[[Any], None] | None = field(init=False, repr=False)  # the queue's put_nowait, bound once
+    # A plain stream's text alone, to a sink that takes it (streams.TextSink): no piece made per token (on_delta)
+    put_text: Callable[[str], bool] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.put = None if self.queue is None else self.queue.put_nowait
+        plain = self.collector.plain and self.meter is None
+        self.put_text = getattr(self.queue, "put_text", None) if plain else None  # (an asyncio.Queue has none)
 
     def submit_body(self) -> dict[str, Any]:
         """Its ``SUBMIT`` (again after a reconnect: it goes on from the tokens it has)."""
@@ -115,6 +120,13 @@ class PendingRequests:
         if pending is None:
             return None
         collector = pending.collector
+        put_text = pending.put_text
+        if put_text is not None and start is None:  # a plain stream: its text alone, most often
+            text = collector.add_plain(delta)
+            if text is not None:
+                if not put_text(text):
+                    pending.put(StreamPartial(pending.request_id, delta.new_tokens, text))
+                return None
         if start is not None:  # a catch-up: the steps since may have come first
             delta = delta_past(delta, start, len(collector.tokens))
             if delta is None:

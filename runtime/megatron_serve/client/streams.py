@@ -14,6 +14,16 @@ class Sink(Protocol):
     def put_nowait(self, item: Any) -> None: ...
 
 
+class TextSink(Sink, Protocol):
+    """A sink that also takes a plain stream's new text alone (a stream with nothing but text to show: no log probs,
+    stop strings or token listings), so that no :class:`~.outputs.StreamPartial` is made for it per token.
+
+    ``put_text`` returns False when it cannot show the text alone (the stream's first piece, or an answer that wants
+    the whole piece): the piece then goes to ``put_nowait`` as usual."""
+
+    def put_text(self, text: str) -> bool: ...
+
+
 async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[Any]:
     """Yield partials until the final ``DynamicInferenceRequest`` (or raise the error put in its place).
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .chunks import ChunkWriter
+from .chunks import ChunkWriter, TextChunks
 from .models import Usage
 from .translate import EngineJob
 
@@ -176,6 +176,11 @@ class StreamedAnswer:
         if id(job) in self.texted and type(item) is StreamPartial:
             return self._text(job.index, item.new_text) if item.new_text else b""
         return self.whole_item(job, item)
+
+    def text_chunks(self, job: EngineJob) -> TextChunks | None:
+        """What makes the events of a plain choice's later pieces from their text alone, as :meth:`item` makes them;
+        None before the choice's first piece, or for a choice that is not plain."""
+        return self.writer.text_chunks(job.index) if id(job) in self.texted else None
 
     def whole_item(self, job: EngineJob, item: Any) -> bytes:
         """The events of an item that is not a later piece of a plain choice (the subclass's chunks)."""

@@ -49,6 +49,21 @@ SLOT = "\x00megatron-serve text slot\x00"
 _SLOT_JSON = _JSON.encode(SLOT)
 
 
+class TextChunks:
+    """The events of the chunks that add a text alone to one choice: the bytes around the text, cut once from a chunk
+    :class:`ChunkWriter` made, and the text's JSON between them (the cut is exact: see :class:`ChunkWriter`)."""
+
+    __slots__ = ("_before", "_after")
+
+    def __init__(self, before: bytes, after: bytes) -> None:
+        self._before, self._after = before, after
+
+    def event(self, text: str) -> bytes:
+        """The event of the chunk that adds ``text`` alone."""
+        data = _JSON.encode(text)
+        return self._before + (data if data.isascii() else _escape_breaks(data)) + self._after
+
+
 class ChunkWriter:
     """The one producer of a streamed answer's chunks: ``{"id", "object", "created", "model", "choices", "usage",
     "system_fingerprint"}``, the first four encoded once. ``text_choice(index, text)``: the choice (plain data) of a
@@ -73,7 +88,7 @@ class ChunkWriter:
         self._head = head[:-1] + b',"choices":'
         self._running_usage = running_usage
         self._text_choice = text_choice
-        self._around: dict[int, tuple[bytes, bytes]] = {}  # by choice index: the event's bytes around the text
+        self._around: dict[int, TextChunks] = {}  # by choice index: the event's bytes around the text
 
     def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | dict[str, Any] | None = None,
               prompt_token_ids: list[int] | None = None) -> bytes:
@@ -93,9 +108,16 @@ class ChunkWriter:
         """The chunk of ``text_choice(index, text)`` alone: from the bytes around the text, cut once per choice
         (every chunk's running usage varies too: then :meth:`chunk` each time)."""
         try:
-            before, after = self._around[index]
+            return self._around[index].event(text)
         except KeyError:
-            if self._running_usage is not None:
-                return self.chunk([self._text_choice(index, text)])
-            before, after = self._around[index] = tuple(self.chunk([self._text_choice(index, SLOT)]).split(_SLOT_JSON))
-        return before + _escape_breaks(_JSON.encode(text)) + after
+            chunks = self.text_chunks(index)
+            return self.chunk([self._text_choice(index, text)]) if chunks is None else chunks.event(text)
+
+    def text_chunks(self, index: int) -> TextChunks | None:
+        """What :meth:`text` makes choice ``index``'s chunks with, made once; None when every chunk carries the
+        running usage (it varies)."""
+        chunks = self._around.get(index)
+        if chunks is None and self._running_usage is None:
+            before, after = self.chunk([self._text_choice(index, SLOT)]).split(_SLOT_JSON)
+            chunks = self._around[index] = TextChunks(before, after)
+        return chunks

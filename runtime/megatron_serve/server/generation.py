@@ -33,6 +33,7 @@ from .backend import Backend
 from .metrics import ServerMetrics
 from .placement import placement_refused
 from .request_log import RequestLog
+from .chunks import TextChunks
 from .streaming import DONE, EventWriter, Renderer
 
 if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
@@ -65,6 +66,34 @@ class _Tagged:
 
     def __init__(self, submission: "Submission", job: EngineJob, request_id: str) -> None:
         self.put_nowait = functools.partial(submission.deliver, job, request_id)
+
+
+class _TextTagged(_Tagged):
+    """:class:`_Tagged` for a stream whose pieces go out as they come (no ``stream_interval``), as a
+    ``client.streams.TextSink``: once the job's first piece went, a plain choice's later text goes straight from
+    here to the answer's writer, its chunk made by the renderer's :class:`~.chunks.TextChunks`. A step's token then
+    touches this object, those chunks and the writer, not the submission and the renderer's bookkeeping."""
+
+    __slots__ = ("_render", "_writer", "_job", "_chunks")
+
+    def __init__(self, submission: "Submission", job: EngineJob, request_id: str, render: Renderer[Any],
+                 writer: EventWriter) -> None:
+        super().__init__(submission, job, request_id)
+        self._render, self._writer, self._job = render, writer, job
+        self._chunks: TextChunks | bool | None = None  # asked once (then False: every piece goes whole)
+
+    def put_text(self, text: str) -> bool:
+        """The job's new ``text`` alone, as :meth:`Submission.deliver` delivers a piece of that text and nothing
+        else; False when the renderer wants whole pieces. Asked only after the job's first piece (the client's
+        collector takes the first token the general way), so the renderer's answer then holds for the stream."""
+        chunks = self._chunks
+        if chunks is None:
+            chunks = self._chunks = self._render.text_chunks(self._job) or False
+        if chunks is False:
+            return False
+        if text:
+            self._writer.write(chunks.event(text))  # (nothing once the answer ended: EventWriter.write)
+        return True
 
 
 class PendingCounter:
@@ -343,7 +372,9 @@ class Submission:
         def submit(index: int) -> None:
             job, rid = self.jobs[index], self.ids[index]
             try:
-                self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
+                sink = (_TextTagged(self, job, rid, render, writer) if self.stream_interval == 1
+                        else _Tagged(self, job, rid))  # (pieces merged to an interval go whole)
+                self.backend.add_request_streaming_to(job.prompt.tokens, job.params, sink,
                                                       request_id=rid, **_extras(job, self.meter))
             except Exception as exc:  # refused at once (e.g. a lost coordinator): reported as an item
                 self.deliver(job, rid, exc)

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from .chunks import sse
+from .chunks import TextChunks, sse
 from .chunked import ChunkedBody, chunked_body, offered
 from .drain import Stopping
 from .errors import APIError, shutting_down
@@ -154,9 +154,13 @@ def _peer(request: Request) -> str:
 
 class Renderer(Protocol[T]):
     """The chunk producer of an answer: ``item`` makes the events of one arrived item, ``end`` those after the last
-    (each as the bytes of its events, in order; empty for none)."""
+    (each as the bytes of its events, in order; empty for none). ``text_chunks``: what makes the events of a job's
+    later pieces from their text alone (``client.streams.TextSink``), asked once its first piece went (``item``);
+    None: every piece goes whole."""
 
     def item(self, job: Any, item: T) -> bytes: ...
+
+    def text_chunks(self, job: Any) -> TextChunks | None: ...
 
     def end(self) -> bytes: ...
 
@@ -203,6 +207,9 @@ class EventWriter:
         if self.last is not None:
             return
         self.made = True
+        body = self._body
+        if body is not None and not self._gathering and not self._waiting and body.write_now(data):
+            return  # one choice's piece, the connection free: written now (most pieces)
         gathered = self._gathered
         if gathered is not None:
             gathered.append(data)

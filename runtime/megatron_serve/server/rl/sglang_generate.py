@@ -406,6 +406,10 @@ class _CumulativeEvents:
             return event(_JSON.encode(self.shape.sequence(job, so_far, None)))
         return event(_JSON.encode(self.shape.sequence(job, so_far, item)))  # the pieces carried every token
 
+    def text_chunks(self, job: EngineJob) -> None:
+        """Every event holds the tokens so far: each piece goes whole (:meth:`item`)."""
+        return None
+
     def end(self) -> bytes:
         return b""
 

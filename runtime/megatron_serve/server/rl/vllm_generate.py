@@ -222,6 +222,10 @@ class _TokenEvents:
                               "total_tokens": self.prompt_tokens + done}
         return event(_JSON.encode(chunk))
 
+    def text_chunks(self, job: EngineJob) -> None:
+        """Every event holds its piece's token ids: each piece goes whole (:meth:`item`)."""
+        return None
+
     def end(self) -> bytes:
         if not self.usage:
             return b""
