@@ -160,6 +160,15 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
             extra_body=IGNORE_EOS)).choices[0].message.content for p in prompts]
         assert streamed == whole + chats
 
+        taken.clear()  # two choices a step: their texts alone, gathered into one chunk a step
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, n=2,
+                                                 stream=True, extra_body=IGNORE_EOS)
+        texts = ["", ""]
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [whole[0], whole[0]] and len(taken) >= 2 * 10
+
         taken.clear()
         stream = await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                                  stream=True, extra_body={**IGNORE_EOS, "return_token_ids": True})
