@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from megatron_serve.coordinator.requests import UNREAD_LIMIT
 from megatron_serve.wire.messages import PromptScores
 from megatron_serve.wire.protocol import Header
 
@@ -66,3 +67,12 @@ def test_a_second_request_of_a_step_is_filed_beside_the_first():
     send_step(h, e1, delta([5]), msgspec.structs.replace(delta([9]), request_id="c1/s"))
     table = h.core.flow.table
     assert table.get("c1/r").generated_tokens == [5] and table.get("c1/s").generated_tokens == [9]
+
+
+def test_a_long_request_holds_at_most_the_limit_of_filed_shares():
+    h, e1 = dispatched(tokens=UNREAD_LIMIT * 3)
+    for token in range(UNREAD_LIMIT + 10):
+        send_step(h, e1, delta([token], epochs=[[0], [0], [-1]]))
+    record = h.core.flow.table.get("c1/r")
+    assert len(record.unread) == 10 and len(record.mirror.tokens) == UNREAD_LIMIT  # read in at the limit, in order
+    assert record.generated_tokens == list(range(UNREAD_LIMIT + 10))

@@ -50,6 +50,10 @@ from .fair_queue import FairQueue
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
+#: Filed deltas a request holds as bytes at most (about 110 bytes each, twice what the mirror keeps of a one-token
+#: delta): a longer request's are read into its mirror this many at a time, each read costing about what filing saved.
+UNREAD_LIMIT = 4096
+
 
 class Phase(enum.Enum):
     QUEUED = "queued"
@@ -111,14 +115,20 @@ class RequestRecord:
     def out(self) -> DeltaAccumulator:
         """The mirror, with every delta filed so far read into it."""
         if self.unread:
-            unread, self.unread = self.unread, []
-            for delta in _read(unread, self.request_id):
-                self.mirror.add(delta, self.request_id)
+            self._read_filed()
         return self.mirror
 
     def file(self, delta: msgspec.Raw) -> None:
-        """Keep a step's delta as its bytes (copied: the frame it came in is not held), read when the mirror is."""
+        """Keep a step's delta as its bytes (copied: the frame it came in is not held), read when the mirror is, or
+        once :data:`UNREAD_LIMIT` wait."""
         self.unread.append(delta.copy())
+        if len(self.unread) >= UNREAD_LIMIT:
+            self._read_filed()
+
+    def _read_filed(self) -> None:
+        unread, self.unread = self.unread, []
+        for delta in _read(unread, self.request_id):
+            self.mirror.add(delta, self.request_id)
 
     @property
     def generated_tokens(self) -> list[int]:
