@@ -19,7 +19,7 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..helpers import Children, free_port, hosted_rendezvous
-from ..weights.forked import run_forked
+from ..forked import run_scripts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -80,9 +80,9 @@ async def test_the_pages_sharded_refit_runs_as_written(tiny_model, tmp_path):
                 # each rank a process of its own, forked from the worker's fork server (torch imported there once)
                 env = {**meeting, "WORLD_SIZE": "2", "MEGATRON_SERVE_COORDINATOR": address,
                        "MEGATRON_SERVE_TOKEN": children.secret, "NEW_CHECKPOINT": new}
-                done = await asyncio.to_thread(run_forked, script, [[], []], env, 300,
-                                               [{"RANK": str(rank)} for rank in range(2)])
-            assert [rank.code for rank in done] == [0, 0], [rank.stderr[-2000:] for rank in done]
+                done = await asyncio.to_thread(run_scripts, script, [[], []], env, 300, via="forkserver",
+                                               own_envs=[{"RANK": str(rank)} for rank in range(2)])
+            assert [rank.returncode for rank in done] == [0, 0], [rank.stderr[-2000:] for rank in done]
             sent = dict(line.split() for rank in done for line in rank.stdout.splitlines())
             assert set(sent) == {"0", "1"} and all(int(b) > 0 for b in sent.values())  # each rank sent its own
             status = await client.status()

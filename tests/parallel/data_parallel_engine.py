@@ -120,7 +120,9 @@ def main() -> None:
     if sys.argv[1] != "--serve":
         serve_rank(sys.argv[1], sys.argv[2])
         return
-    from forked_ranks import fork_ranks  # noqa: PLC0415 - beside this script (its folder: sys.path[0])
+    # the checkout's root, for tests.forked (this script's own folder, sys.path[0], is tests/parallel)
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.forked import fork_ranks  # noqa: PLC0415
 
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: F401, PLC0415 - imported once, for every rank
     # so is the transformers tokenizer each rank's engine loads (0.7 CPU-s of imports a rank, the tiny models' one)

@@ -34,12 +34,12 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 
+from ..forked import forked_reports, report
 from ..fp8_checkpoints import block_fp8_checkpoint
 from ..helpers import free_port
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 from .data_parallel_runs import Case, Launcher, Request, Served, graph_log, serve_cases
-from .forked_ranks import forked_reports, report
 
 ALONE = PROMPTS[4:5]
 # Each rank's prompts served together (first run), then rank 0's one request alone while the others idle (second):

@@ -34,9 +34,9 @@ from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 
 from .. import deepep_fake
+from ..forked import forked_reports, report
 from ..helpers import hosted_rendezvous
 from ..host_sync import HostSync, NoHostSync
-from .forked_ranks import forked_reports, report
 
 CUDA = torch.device("cuda")  # only its type is read: nothing runs on it
 

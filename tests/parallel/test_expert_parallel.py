@@ -28,11 +28,11 @@ from megatron_serve.tokenizer import Tokenizer
 
 from .. import deepep_fake
 from ..devices import tensor_parallel_device
+from ..forked import fork_ranks
 from ..helpers import free_port
 from ..host_sync import NoHostSync
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
-from .forked_ranks import fork_ranks
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_serve.engine.group.placement import join_data_parallel, release_groups
 
-from .forked_ranks import forked_reports, report
+from ..forked import forked_reports, report
 
 
 def threads() -> int:

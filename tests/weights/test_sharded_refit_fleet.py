@@ -33,7 +33,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port, greedy_tokens, until
-from .forked import run_forked
+from ..forked import run_scripts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -127,10 +127,11 @@ def run_trainers(fleet, model: str, epoch: int, world_size: int, *extra: str,
     argvs = [[fleet.address, model, str(epoch), str(rank), str(world_size), str(trainer_port),
               "--bucket-bytes", str(BUCKET), *extra, *(rank_extra or {}).get(rank, [])] for rank in range(world_size)]
     results = []
-    for ended in run_forked(TRAINER, argvs, {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600):
+    for ended in run_scripts(TRAINER, argvs, {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600,
+                             via="forkserver"):
         lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
-        assert lines or ended.code < 0, ended.stderr[-3000:]
-        results.append((ended.code, lines))
+        assert lines or ended.returncode < 0, ended.stderr[-3000:]
+        results.append((ended.returncode, lines))
     return results
 
 

@@ -26,7 +26,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve import WeightSender
 
 from ..helpers import greedy_tokens, process_fleet, until
-from .forked import run_forked
+from ..forked import run_scripts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -56,11 +56,11 @@ def fleet(models, tmp_path_factory):
 def run_trainer(fleet, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
     """The trainer as its own process (forked from one that imported torch), holding the fleet secret; returns its
     exit code and the JSON lines it printed."""
-    [ended] = run_forked(TRAINER, [[fleet.address, model, str(epoch), str(BUCKET), *extra]],
-                         {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600)
+    [ended] = run_scripts(TRAINER, [[fleet.address, model, str(epoch), str(BUCKET), *extra]],
+                          {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600, via="forkserver")
     lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
-    assert lines or ended.code < 0, ended.stderr[-3000:]
-    return ended.code, lines
+    assert lines or ended.returncode < 0, ended.stderr[-3000:]
+    return ended.returncode, lines
 
 
 async def assert_serves(client: InferenceClient, expected: list[list[int]], epoch: int) -> None:

@@ -1,7 +1,7 @@
 """What the trainer scripts of the weight tests (``trainer.py``, ``sharded_trainer.py``) share: the start of their
 command line, the line each bucket prints with the fault a test asks for there, the control client they send with,
 and how a refused send is printed. The scripts import it from their folder (``sys.path[0]``, as a script run by
-``python`` or by :func:`tests.weights.forked.run_forked` has it).
+``python`` or by :func:`tests.forked.run_scripts` has it).
 """
 
 from __future__ import annotations

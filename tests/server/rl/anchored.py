@@ -1,7 +1,7 @@
 """``python anchored.py ANCHORS SCRIPT ARGV...``: ``SCRIPT`` as ``__main__`` with the folder ``ANCHORS`` on
 ``sys.path`` right after the script's own folder, where ``PYTHONPATH=ANCHORS python SCRIPT ARGV...`` puts it.
 
-For a framework's runner forked from the test worker's fork server (:func:`tests.weights.forked.run_forked`): that
+For a framework's runner forked from the test worker's fork server (:func:`tests.forked.run_scripts`): that
 server read its ``PYTHONPATH`` when it started, so a ``PYTHONPATH`` given to the child reaches only what the child
 starts; this puts the framework installed beside the venv (``.anchors``, ``.anchors-trl110``) before the venv's own
 packages in the child itself. None of the fork server's preloaded modules is a package of those folders."""

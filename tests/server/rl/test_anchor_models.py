@@ -23,7 +23,7 @@ from megatron_serve.server.rl.sglang_generate import NEUTRAL, SglangGenerateRequ
 from megatron_serve.server.rl.trl_generate import TRL_DEFAULTS
 from megatron_serve.server.rl.vllm_sampling import VllmSamplingParams
 
-from ...weights.forked import run_forked
+from ...forked import run_scripts
 from ..conftest import surface
 from .tokens_app import MODEL, events, fake_http
 
@@ -51,9 +51,9 @@ def validated(anchors: Path, cases: list[dict], tmp_path: Path) -> dict:
     (:mod:`.anchored` puts ``anchors`` on its path as ``PYTHONPATH`` would)."""
     bodies = tmp_path / "bodies.json"
     bodies.write_text(json.dumps(cases))
-    (done,) = run_forked(ANCHORED, [[str(anchors), str(CHECKER), str(bodies)]], {"PYTHONPATH": str(anchors)},
-                         timeout=240)
-    assert done.code == 0, done.stderr[-4000:]
+    (done,) = run_scripts(ANCHORED, [[str(anchors), str(CHECKER), str(bodies)]], {"PYTHONPATH": str(anchors)},
+                          timeout=240, via="forkserver")
+    assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 

@@ -27,7 +27,7 @@ import pytest
 from megatron_serve.server.rl.weight_slot import STALL_S
 
 from ...helpers import free_port
-from ...weights.forked import start_forked
+from ...forked import start_script
 from ..conftest import admin_run
 from .weight_fleet import checkpoints  # noqa: F401 - a fixture
 from .weight_fleet import ADMIN, ADMIN_KEY, TRAINER, Trainer, answer, completions, run_trainer
@@ -57,7 +57,7 @@ def stalled_trainer(fleet: SimpleNamespace, model: str, port: int) -> Iterator[i
     """``weight_trainer.py stalled``, in a process of its own (forked from the worker's fork server, as the fleet's
     trainer), stopped (SIGSTOP) once the server receives from it; yields its pid, and kills it after."""
     with tempfile.NamedTemporaryFile("w+", prefix="stalled-trainer-", suffix=".err") as errors:
-        stalled, stdin, stdout = start_forked(TRAINER, ["stalled", fleet.url, model, str(port)],
+        stalled, stdin, stdout = start_script(TRAINER, ["stalled", fleet.url, model, str(port)],
                                               {"ADMIN_KEY": ADMIN_KEY}, errors.name)
         try:
             said = []

@@ -32,7 +32,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port, shared_directory
-from ...weights.forked import run_forked, start_forked
+from ...forked import run_scripts, start_script
 from ..conftest import admin_run, surface
 
 ADMIN_KEY = "weights-admin-key"
@@ -89,7 +89,7 @@ def fleet(checkpoints, tmp_path_factory):
 
 class Trainer:
     """``weight_trainer.py --serve``: the trainer process the module's runs share (its runs one at a time), forked
-    from the test worker's fork server, which imported torch already (:mod:`tests.weights.forked`); started at the
+    from the test worker's fork server, which imported torch already (:mod:`tests.forked`); started at the
     first run (the frameworks' own clients, a module each, bring their own trainer side)."""
 
     proc: multiprocessing.process.BaseProcess | None = None
@@ -99,7 +99,7 @@ class Trainer:
 
     def _start(self) -> None:
         self.errors = tempfile.NamedTemporaryFile("w+", prefix="weight-trainer-", suffix=".err")  # noqa: SIM115
-        self.proc, self.stdin, stdout = start_forked(TRAINER, ["--serve"], {"ADMIN_KEY": ADMIN_KEY},
+        self.proc, self.stdin, stdout = start_script(TRAINER, ["--serve"], {"ADMIN_KEY": ADMIN_KEY},
                                                      self.errors.name)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, args=(stdout,), daemon=True).start()
@@ -207,8 +207,9 @@ def run_framework(python: Path | str, runner: str, argv: list[str], anchors: str
     search = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
     script = Path(__file__).with_name(runner)
     if Path(python) == Path(sys.executable):  # this venv's: forked from the fork server, torch imported already
-        (ended,) = run_forked(ANCHORED, [[str(path), str(script), *argv]], {"PYTHONPATH": search}, timeout=540)
-        code, stdout, stderr = ended.code, ended.stdout, ended.stderr
+        (ended,) = run_scripts(ANCHORED, [[str(path), str(script), *argv]], {"PYTHONPATH": search}, timeout=540,
+                               via="forkserver")
+        code, stdout, stderr = ended.returncode, ended.stdout, ended.stderr
     else:
         done = subprocess.run([str(python), str(script), *argv], capture_output=True, text=True, timeout=540,
                               env={**os.environ, "PYTHONPATH": search})
