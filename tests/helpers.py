@@ -165,24 +165,28 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
         raise
 
 
-async def while_held(pids: list[int], client: InferenceClient, verb: Awaitable[T], name: str) -> T:
-    """``verb`` (a control call of ``client``, not yet awaited) sent while the engine processes ``pids`` are stopped
-    (SIGSTOP; :func:`run_in_pulses` leaves them so): they continue once the coordinator holds it (``name`` among its
-    ``pending_controls``) and read it at their next step's end, not having run on between the test's decision and
-    the verb's arrival."""
+async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any]) -> T:
+    """``verb`` (a call not yet awaited) sent while the engine processes ``pids`` are stopped (SIGSTOP;
+    :func:`run_in_pulses` leaves them so): they continue once ``held()`` (plain or async) says the fleet holds it, or
+    once its answer came, and read it at their next step's end, not having run on between the test's decision and the
+    verb's arrival."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         sent = asyncio.ensure_future(verb)
-        await until(lambda: sent.done() or _holds(client, name), 60, f"the coordinator to hold {name}")
+        await until(lambda: sent.done() or held(), 60, "the fleet to hold the verb")
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     return await sent
 
 
-async def _holds(client: InferenceClient, name: str) -> bool:
-    return name in (await client.status())["pending_controls"]
+def pending(status: Callable[[], Awaitable[dict[str, Any]]], name: str) -> Callable[[], Awaitable[bool]]:
+    """For :func:`while_held`: whether the verb ``name`` is among the pending controls of the coordinator whose
+    STATUS_REPLY ``status()`` reads (an ``InferenceClient``'s ``status``, or a server's ``/v1/admin/status``)."""
+    async def holds() -> bool:
+        return name in (await status())["pending_controls"]
+    return holds
 
 
 def rank_processes(engine_pid: int) -> list[int]:

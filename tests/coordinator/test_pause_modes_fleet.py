@@ -24,7 +24,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import process_fleet, run_in_pulses, until, while_held
+from ..helpers import pending, process_fleet, run_in_pulses, until, while_held
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,7 +94,7 @@ async def test_keep_pauses_requests_in_place_and_they_complete_after_unpause(fle
     flight = Flight(client, PROMPTS[:12], GREEDY)
     engines = [e.pid for e in fleet.engines]
     await run_in_pulses(engines, lambda: len(flight.started()) >= 2, "two requests generating")
-    ack = await while_held(engines, client, client.pause(), "PAUSE")  # the default mode
+    ack = await while_held(engines, client.pause(), pending(client.status, "PAUSE"))  # the default mode
     assert ack["state"] == "PAUSED" and ack["detail"]["mode"] == "keep"
     status = await client.status()
     finished = status["completed"] - before["completed"]
@@ -141,7 +141,7 @@ async def test_abort_ends_every_request_at_once_with_its_tokens_so_far_and_a_res
     flight = Flight(client, PROMPTS, GREEDY)
     engines = [e.pid for e in fleet.engines]
     await run_in_pulses(engines, lambda: len(flight.started()) >= 2, "two requests generating")
-    ack = await while_held(engines, client, client.pause("abort"), "PAUSE")
+    ack = await while_held(engines, client.pause("abort"), pending(client.status, "PAUSE"))
     detail = ack["detail"]
     assert ack["state"] == "PAUSED" and detail["mode"] == "abort" and detail["aborted"] == len(PROMPTS)
     # The engines dropped their requests before they paused: nothing is left to run anywhere.

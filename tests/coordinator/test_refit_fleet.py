@@ -22,7 +22,7 @@ from megatron_serve.client.coordinator_client import ControlError, InferenceClie
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import greedy_tokens, process_fleet, run_in_pulses, while_held
+from ..helpers import greedy_tokens, pending, process_fleet, run_in_pulses, while_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -75,7 +75,7 @@ async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         await run_in_pulses(engines, lambda: all(f.done() for f in firsts), "each stream's first tokens")
         assert all(isinstance(f.result(), StreamPartial) and f.result().new_tokens for f in firsts)
-        await while_held(engines, client, client.pause(), "PAUSE")  # the streams still running
+        await while_held(engines, client.pause(), pending(client.status, "PAUSE"))  # the streams still running
         ack = await client.refit(checkpoints.b, epoch=5)
         assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 5 and ack["detail"]["source"] == checkpoints.b
         engines = ack["detail"]["engines"]

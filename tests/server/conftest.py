@@ -79,9 +79,10 @@ def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 
 
 
 @contextlib.contextmanager
-def served_run(model: str, log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``megatron-serve run`` of ``model`` on a free port (its output and logs in ``log_dir``); yields its URL once
-    ``/ready`` answers 200, and stops its process group after."""
+def served_process(model: str, log_dir: Path, *extra: str,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``megatron-serve run`` of ``model`` on a free port (its output and logs in ``log_dir``); yields its URL and
+    process once ``/ready`` answers 200, and stops its process group after."""
     port = free_port()
     output = log_dir / "run.out"
     proc = start_cli(["run", "--model", model, "--port", str(port), "--coordinator-port", "0", "--num-kv-blocks",
@@ -89,9 +90,16 @@ def served_run(model: str, log_dir: Path, *extra: str, env: dict[str, str] | Non
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, output)
-        yield url
+        yield url, proc
     finally:
         stop_process_group(proc)  # the run command stops its fleet on SIGINT
+
+
+@contextlib.contextmanager
+def served_run(model: str, log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """:func:`served_process`'s URL."""
+    with served_process(model, log_dir, *extra, env=env) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager

@@ -14,24 +14,27 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from ...helpers import until
-from ..conftest import served_run
+from ...helpers import pending, run_in_pulses, while_held
+from ...run_stack import child_pids, role_of
+from ..conftest import served_process
 
 pytestmark = [pytest.mark.timeout(300)]
 
 API_KEY, ADMIN_KEY = "inference-key", "admin-key"
 API = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-#: A stream is held or cut some 10 tokens after its first here, some 100 on a loaded CI machine (95 at the fleet's
-#: first streams under a load of 5): five times that leaves room, where each test's streams ran 1,000 tokens
-TOKENS = 500
+#: Far more than a stream runs before a verb catches it: the engine runs in pulses until every stream has its first
+#: tokens and is stopped until the verb reaches the fleet (tests/helpers.py run_in_pulses)
+TOKENS = 200
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
     keys = {"MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": ADMIN_KEY}
-    with served_run(tiny_model, tmp_path_factory.mktemp("control-run"), env={**os.environ, **keys}) as url:
-        yield SimpleNamespace(url=url, model=os.path.basename(tiny_model))
+    with served_process(tiny_model, tmp_path_factory.mktemp("control-run"), env={**os.environ, **keys}) as (url, run):
+        engines = [pid for pid in child_pids(run.pid) if role_of(pid) == "engine"]
+        assert len(engines) == 1, engines
+        yield SimpleNamespace(url=url, model=os.path.basename(tiny_model), engines=engines)
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +76,13 @@ class Stream:
         return self
 
 
+def admin_status(http: httpx.AsyncClient):
+    """The coordinator's STATUS_REPLY through the server's admin route (for :func:`~tests.helpers.pending`)."""
+    async def status() -> dict:
+        return (await http.get("/v1/admin/status", headers=ADMIN)).json()
+    return status
+
+
 async def _held(streams: list[Stream]) -> list[int]:
     """The streams' token counts, once they stood still for a while (a paused fleet sends nothing more)."""
     counts = [len(s.tokens) for s in streams]
@@ -87,8 +97,10 @@ async def _held(streams: list[Stream]) -> list[int]:
 async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         streams = [Stream(http, stack.model, prompt) for prompt in ("Once upon a time", "In a galaxy", "The cat")]
-        await until(lambda: all(s.tokens for s in streams), 60, "every stream's first tokens")
-        assert (await http.post("/pause?mode=keep", headers=ADMIN)).json() == {"status": "paused"}
+        await run_in_pulses(stack.engines, lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        paused = await while_held(stack.engines, http.post("/pause?mode=keep", headers=ADMIN),
+                                  pending(admin_status(http), "PAUSE"))
+        assert paused.json() == {"status": "paused"}
         assert (await http.get("/is_paused", headers=API)).json() == {"is_paused": True}
         held = await _held(streams)
         assert all(0 < count < TOKENS for count in held) and not any(s.task.done() for s in streams), held
@@ -101,8 +113,10 @@ async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(
 async def test_sleep_and_wake_up_around_streams_in_flight(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         streams = [Stream(http, stack.model, prompt) for prompt in ("A long road", "Under the sea")]
-        await until(lambda: all(s.tokens for s in streams), 60, "every stream's first tokens")
-        assert (await http.post("/sleep?level=1&mode=keep", headers=ADMIN)).status_code == 200
+        await run_in_pulses(stack.engines, lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        asleep = await while_held(stack.engines, http.post("/sleep?level=1&mode=keep", headers=ADMIN),
+                                  pending(admin_status(http), "PAUSE"))  # its first verb
+        assert asleep.status_code == 200
         assert (await http.get("/is_sleeping", headers=API)).json() == {"is_sleeping": True}
         status = (await http.get("/v1/admin/status", headers=ADMIN)).json()
         assert status["state"] == "SUSPENDED" and status["suspend_level"] == 2
@@ -118,8 +132,9 @@ async def test_sleep_and_wake_up_around_streams_in_flight(stack):
 async def test_abort_requests_ends_one_stream_by_its_request_id_with_its_tokens(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
         cut, kept = Stream(http, stack.model, "Cut short", "rollout-1"), Stream(http, stack.model, "Kept on")
-        await until(lambda: cut.tokens and kept.tokens, 60, "both streams' first tokens")
-        answer = await http.post("/abort_requests", json={"request_ids": ["rollout-1"]}, headers=ADMIN)
+        await run_in_pulses(stack.engines, lambda: bool(cut.tokens and kept.tokens), "both streams' first tokens")
+        answer = await while_held(stack.engines, http.post("/abort_requests", json={"request_ids": ["rollout-1"]},
+                                                           headers=ADMIN), lambda: False)  # held once answered
         assert answer.json() == {"status": "aborted", "aborted": 1}
         await cut.done()
         assert cut.finish == "abort" and 0 < len(cut.tokens) < TOKENS == len((await kept.done()).tokens)
