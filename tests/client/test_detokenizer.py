@@ -192,6 +192,47 @@ def test_a_byte_level_tokenizer_adds_each_token_s_own_text_and_shows_what_its_wi
     assert Counted.windows < total / 2  # most tokens took the short way
 
 
+def test_a_byte_level_tokenizer_reads_split_characters_as_their_bytes_without_a_window():
+    """A character split over tokens is read from their bytes (UTF-8, invalid bytes as U+FFFD, as the decoder reads
+    them): no window is decoded for tokens of the vocabulary, and everything shown is what decoding the windows shows,
+    for random bytes (most of them invalid or incomplete sequences) and for texts of multi-byte characters. An added
+    token in the window (its text shown: special tokens not skipped) takes the window."""
+    import random
+
+    from megatron_serve.client.token_bytes import token_bytes
+
+    tokenizer = byte_level_tokenizer()
+    table = token_bytes(tokenizer)
+    single = {raw[0]: t for t in range(tokenizer.vocab_size) if (raw := table.get(t)) is not None and len(raw) == 1}
+    assert len(single) == 256 and all(table.get(t) is None for t in tokenizer.special_token_ids)
+    rng = random.Random(1)
+
+    class Counted(IncrementalDetokenizer):
+        windows = 0
+
+        def _decode_window(self, new_tokens):
+            Counted.windows += 1
+            super()._decode_window(new_tokens)
+
+    cases = [[single[b] for b in rng.randbytes(rng.randrange(1, 12))] for _ in range(300)]
+    cases += [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
+    for tokens in cases:
+        sizes = [rng.choice([1, 1, 2, 3]) for _ in tokens]
+        shown = _run(Counted(tokenizer), tokens, sizes)
+        window = IncrementalDetokenizer(tokenizer)
+        window._texts = None  # the control: every token through a decoded window
+        assert shown == _run(window, tokens, sizes)
+        assert shown[-1][0] == tokenizer.decode(tokens)
+    assert Counted.windows == 0
+    special = sorted(tokenizer.special_token_ids)[0]
+    tokens = [single[0xE6], single[0x9D], special, single[0xB1], *tokenizer.encode("東京", add_special_tokens=False)]
+    shown = _run(Counted(tokenizer, skip_special_tokens=False), tokens, [1] * len(tokens))
+    window = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    window._texts = None
+    assert shown == _run(window, tokens, [1] * len(tokens)) and Counted.windows > 0
+    assert shown[-1][0] == tokenizer.decode(tokens, skip_special_tokens=False)
+
+
 def test_a_sentencepiece_tokenizer_is_not_concatenative_its_tokens_text_depends_on_their_neighbours():
     tokenizer = metaspace_tokenizer()
     tokens = tokenizer.encode(TEXTS[0], add_special_tokens=False)

@@ -10,6 +10,7 @@ from bisect import bisect_right
 from typing import Iterable, Sequence
 
 from ..tokenizer import Tokenizer
+from .token_bytes import token_bytes
 
 
 class IncrementalDetokenizer:
@@ -43,7 +44,7 @@ class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "stop_words", "include_stop", "holdback", "emitted", "ends", "_skip_special",
                  "_special", "_texts", "_seen", "_visible", "_prefix_offset", "_read_offset", "_done", "_done_length",
                  "_joined", "_joined_count", "_pending_text", "_final_text", "_sent_piece", "_sent_start", "_checked",
-                 "_stop_floor", "_incomplete")
+                 "_stop_floor", "_incomplete", "_bytes", "_pending_raw")
 
     def __init__(self, tokenizer: Tokenizer, stop_words: Sequence[str] = (), *, skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False, token_texts: bool = False):
@@ -58,6 +59,10 @@ class IncrementalDetokenizer:
         # A tokenizer whose text is its tokens' texts joined (Tokenizer.concatenative): a token after a run that ended
         # on whole characters adds its own text, kept per id: no window to decode (see _window)
         self._texts = tokenizer.single_texts(skip_special_tokens) if tokenizer.concatenative else None
+        # Its tokens' bytes, and those of the tokens past read_offset (None: not all known): a split character's text is
+        # its bytes read as UTF-8, no window to decode (see _window)
+        self._bytes = token_bytes(tokenizer)
+        self._pending_raw: bytes | None = b""
         self._seen = 0  # generated tokens looked at so far
         self._visible: list[int] = []  # the generated tokens that render (special ones too without skipping)
         self._prefix_offset = 0  # window start: the visible token before read_offset, decoded for context
@@ -111,7 +116,9 @@ class IncrementalDetokenizer:
         keeps (:meth:`~megatron_serve.tokenizer.Tokenizer.decode_one`): one decoding per token instead of two.
         A concatenative tokenizer's token that comes when nothing is pending adds its own text and moves the
         window past itself, as decoding the window would (the text is the same whatever the windows); one that
-        leaves an incomplete character, and the tokens after it until one completes it, take the window.
+        leaves an incomplete character, and the tokens after it until one completes it, are read as their bytes
+        (:mod:`.token_bytes`: the window's text, as its decoder makes it, since the text before the window ends on a
+        whole character), or take the window when one of them has no bytes of its own (an added token).
         """
         texts = self._texts
         if texts is None:
@@ -132,7 +139,15 @@ class IncrementalDetokenizer:
                     done.append(text)
                     self._done_length += len(text)
                     continue
-            self._decode_window((token,))
+            raw = None if self._pending_raw is None or self._bytes is None else self._bytes.get(token)
+            if raw is None:
+                self._decode_window((token,))
+                continue
+            visible.append(token)
+            raw = self._pending_raw + raw
+            self._pend(raw.decode("utf-8", "replace"))
+            if self._pending_text:
+                self._pending_raw = raw
 
     def _decode_window(self, new_tokens: Iterable[int]) -> None:
         """:meth:`_window` by decoding the window."""
@@ -145,12 +160,19 @@ class IncrementalDetokenizer:
             prefix = tokenizer.decode_one(visible[start], skip)
         else:
             prefix = tokenizer.decode(visible[start:read], skip)
-        pending = tokenizer.decode(visible[start:], skip)[len(prefix) :]
+        self._pend(tokenizer.decode(visible[start:], skip)[len(prefix) :])
+        if self._read_offset != len(visible):
+            self._pending_raw = None  # the bytes of the tokens that stay pending are not known
+
+    def _pend(self, pending: str) -> None:
+        """The text of the tokens past ``read_offset``: final, and the window moves past them, unless it ends in an
+        incomplete character (U+FFFD) or is empty."""
         if pending and not pending.endswith("\ufffd"):
             self._done.append(pending)
             self._done_length += len(pending)
             self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)
             pending = ""
+            self._pending_raw = b""
         self._pending_text = pending
 
     def update(self, generated_tokens: list[int], check_stop: bool = True) -> bool:
