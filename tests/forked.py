@@ -191,11 +191,23 @@ def _serve(script: str, argv: list[str], env: dict[str, str], stdin: multiproces
 
 def _fork_calls(target: Callable[..., Any], calls: Iterable[tuple],
                 stdout: int | None) -> list[multiprocessing.process.BaseProcess]:
-    return [_start("fork", partial(_rank, target, args, stdout), False) for args in calls]
+    """One child per call, all forked before any begins. A rank that began at once met its group at the store this
+    process hosts while the next rank was forked, so that fork could copy the store's server thread mid-answer, its
+    locks held, into a child without that thread: a CI run had two ranks of a group idle until their time-out (0.9
+    CPU-s in 121 s). Each child waits for the end of a pipe that closes once every child is forked."""
+    go_read, go_write = os.pipe()
+    try:
+        return [_start("fork", partial(_rank, target, args, stdout, go_read, go_write), False) for args in calls]
+    finally:
+        os.close(go_write)
+        os.close(go_read)
 
 
-def _rank(target: Callable[..., Any], args: tuple, stdout: int | None) -> None:
-    """A rank's child: ``target(*args)`` on ``stdout`` (``None``: the parent's)."""
+def _rank(target: Callable[..., Any], args: tuple, stdout: int | None, go_read: int, go_write: int) -> None:
+    """A rank's child: ``target(*args)`` on ``stdout`` (``None``: the parent's), once every rank is forked."""
+    os.close(go_write)
+    os.read(go_read, 1)  # the end of the file: the parent and every rank closed their copies of the writing end
+    os.close(go_read)
     if stdout is not None:
         os.dup2(stdout, 1)
     # a parent that ran OpenMP's thread pool leaves it unusable here: a parallel region would hang
