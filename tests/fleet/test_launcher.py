@@ -8,6 +8,7 @@ SIGTERM), forked from a real launcher, beside the same command exec'd as the fle
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -107,8 +108,8 @@ def test_a_forked_child_is_what_an_exec_would_have_started(launcher, env, tmp_pa
 def test_a_descriptor_passed_arrives_at_the_number_asked(launcher, env, tmp_path):
     """As the lifeline's and an API server's socket are passed: the child holds the very pipe, at that number."""
     read, write = os.pipe()
-    target = 40
-    os.dup2(write, target)
+    # a number of its own: dup2 onto a fixed one closed whatever the worker held there (the pipe's own end, once)
+    target = fcntl.fcntl(write, fcntl.F_DUPFD, 40)
     os.close(write)
     try:
         child = launcher.spawn(STORE, env, tmp_path / "store.log", pass_fds=(target,))
