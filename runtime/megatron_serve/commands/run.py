@@ -299,7 +299,7 @@ class _Stack:
             stopper = asyncio.ensure_future(self.stop.wait())
             await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-            if not startup.done():
+            if self.stop.is_set() or not startup.done():  # a signal while starting, even as it ended: never "ready"
                 startup.cancel()
                 try:
                     await startup
@@ -414,6 +414,8 @@ class _Stack:
         probes = await start_probes(args, self.ports.probe, self.address, self.token, app)
 
         def started(url: str) -> None:
+            if self.stop.is_set():  # a signal came while the server started: it drains at once, never "ready"
+                return
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
             progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}"
                         f"{probes_note(probes)}")
