@@ -165,6 +165,12 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
         raise
 
 
+def continue_processes(pids: list[int]) -> None:
+    """SIGCONT to each of ``pids`` (engines :func:`run_in_pulses` left stopped)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+
+
 async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any]) -> T:
     """``verb`` (a call not yet awaited) sent while the engine processes ``pids`` are stopped (SIGSTOP;
     :func:`run_in_pulses` leaves them so): they continue once ``held()`` (plain or async) says the fleet holds it, or

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_serve.model.tiny import make_tiny_model
 from tests.run_stack import Streamed, client_stream
 
-from ..helpers import Children, free_port
+from ..helpers import Children, continue_processes, free_port, run_in_pulses
 from ..model.test_moe import VARIANTS
 
 RANKS = 4
@@ -48,12 +48,17 @@ class ExpertGroup:
                                     "--data-parallel-size", str(self.ranks), "--data-parallel-rank", str(rank),
                                     "--enable-expert-parallel", *self.extra, env=self.rendezvous)
 
-    async def in_flight(self) -> list[asyncio.Task]:
-        """Every prompt streaming, each past its first token."""
+    async def in_flight(self, held: bool = False) -> list[asyncio.Task]:
+        """Every prompt streaming, each past its first token: the engines run in pulses until then
+        (:func:`~tests.helpers.run_in_pulses`), so that none ran on to the streams' end meanwhile. ``held``: they are
+        left stopped (SIGSTOP), for the caller to continue, else they continue now."""
         firsts = [asyncio.Event() for _ in PROMPTS]
         tasks = [asyncio.create_task(client_stream(self.client, p, self.tokens, first))
                  for p, first in zip(PROMPTS, firsts)]
-        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 300)
+        pids = [engine.pid for engine in self.engines]
+        await run_in_pulses(pids, lambda: all(f.is_set() for f in firsts), "every stream's first token", timeout=300)
+        if not held:
+            continue_processes(pids)
         assert not any(task.done() for task in tasks), "the streams ended before anything happened: nothing is tested"
         return tasks
 
@@ -65,11 +70,12 @@ class ExpertGroup:
     async def kill_mid_stream(self, rank: int) -> list[subprocess.Popen]:
         """Rank ``rank``'s engine SIGKILLed with every prompt streaming: every stream ends with the uninterrupted
         tokens, and the other ranks' engines serve on in their own processes, regrouped (returned, in rank order)."""
-        tasks = await self.in_flight()
+        tasks = await self.in_flight(held=True)
         survivors = [engine for d, engine in enumerate(self.engines) if d != rank]
         pids = [engine.pid for engine in survivors]
         said = [len(self.children.log_of(engine)) for engine in survivors]  # a regroup before this kill does not count
         self.engines[rank].kill()
+        continue_processes(pids)  # the streams still in flight: none ran on while they were stopped
         await self.completed(tasks)
         assert [engine.pid for engine in survivors if engine.poll() is None] == pids  # none restarted, none gone
         for d, engine, since in zip([d for d in range(self.ranks) if d != rank], survivors, said):

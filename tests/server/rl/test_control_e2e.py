@@ -25,7 +25,7 @@ API = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 #: Far more than a stream runs before a verb catches it: the engine runs in pulses until every stream has its first
 #: tokens and is stopped until the verb reaches the fleet (tests/helpers.py run_in_pulses)
-TOKENS = 200
+TOKENS = 300
 
 
 @pytest.fixture(scope="module")
