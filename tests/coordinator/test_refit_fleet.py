@@ -75,7 +75,8 @@ async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         await run_in_pulses(engines, lambda: all(f.done() for f in firsts), "each stream's first tokens")
         assert all(isinstance(f.result(), StreamPartial) and f.result().new_tokens for f in firsts)
-        await while_held(engines, client.pause(), pending(client.status, "PAUSE"))  # the streams still running
+        held = await client.status()  # what the coordinator holds as PAUSE goes (the streams still running)
+        paused = await while_held(engines, client.pause(), pending(client.status, "PAUSE"))
         ack = await client.refit(checkpoints.b, epoch=5)
         assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 5 and ack["detail"]["source"] == checkpoints.b
         engines = ack["detail"]["engines"]
@@ -92,7 +93,10 @@ async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
         for result in await asyncio.gather(*(finish(s) for s in streams)):
             assert len(result.generated_tokens) == LONG.num_tokens_to_generate
             assert len(result.policy_epochs) == len(result.kv_epochs) == len(result.generated_tokens)
-            assert result.policy_epochs[0] == 0 and result.policy_epochs[-1] == 5
+            assert result.policy_epochs[0] == 0 and result.policy_epochs[-1] == 5, (
+                f"first partials {[len(f.result().new_tokens) for f in firsts]}; before PAUSE in flight "
+                f"{held['in_flight']}, engines {[(e['running'], e['waiting']) for e in held['engines']]}; "
+                f"PAUSE {paused['detail']}")
             assert result.policy_epochs == sorted(result.policy_epochs)  # one switch, 0 -> 5
             assert set(result.kv_epochs) == {0}  # they attended to KV computed under the old weights
 
