@@ -12,6 +12,7 @@ alone, a vocabulary per token at most, could not have reached: the ids delivered
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import pytest
 from megatron_serve.model.config import ModelConfig
 
 from megatron_serve.client.coordinator_client import InferenceClient
+from tests.helpers import run_in_pulses
 from tests.processes import stop_process_group
 from tests.run_stack import RunStack, start_run
 
@@ -90,18 +92,26 @@ async def test_kept_ids_delivered_before_an_engine_is_killed_stay_counted(tiny_m
     budget, frozen_at, most = 200 * (vocab - 6), 120, 400  # ~200 tokens of ids at temperature 1.5, top_p 0.99
     stack = start_run(tiny_model, tmp_path / "run", "--max-request-logprobs", str(budget), engines=2)
     try:
-        seen, at_kill, last, victim = 0, 0, {}, None
+        stream: dict[str, Any] = {"seen": 0, "last": {}}
         async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
             body = {"input_ids": [5, 6, 7, 8], "stream": True, "sampling_params": {**WIDE, "max_new_tokens": most}}
-            async with http.stream("POST", "/generate", json=body) as answer:
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    last = json.loads(line[len("data: "):])
-                    seen = len(last.get("output_ids", ())) or seen
-                    if victim is None and seen >= frozen_at:
-                        victim, at_kill = await _holder_killed(stack), seen
-        assert victim is not None, f"the stream ended at {seen} tokens, before the kill"
+
+            async def read() -> None:
+                async with http.stream("POST", "/generate", json=body) as answer:
+                    async for line in answer.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            stream["last"] = json.loads(line[len("data: "):])
+                            stream["seen"] = len(stream["last"].get("output_ids", ())) or stream["seen"]
+
+            reader = asyncio.create_task(read())
+            # the engines run in pulses until the stream passed frozen_at, so that none runs on to the budget's end
+            # before the kill (once in a CI run the request had ended, and no engine held it, when the kill came)
+            await run_in_pulses(stack.children()["engine"], lambda: stream["seen"] >= frozen_at or reader.done(),
+                                f"{frozen_at} tokens streamed")
+            assert not reader.done(), f"the stream ended at {stream['seen']} tokens, before the kill"
+            victim, at_kill = await _holder_killed(stack), stream["seen"]
+            await reader
+        seen, last = stream["seen"], stream["last"]
         message = json.dumps(last)  # the stream's final event: the error
         assert f"budget of {budget:,} per request (--max-request-logprobs)" in message, last
         produced = re.search(r"produced ([0-9,]+) top-p token ids in ([0-9,]+) new tokens", message)
