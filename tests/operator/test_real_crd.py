@@ -19,7 +19,7 @@ import yaml
 from megatron_operator import crd
 
 from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_tools import Kubectl, MI, ROOT, clients, until
+from .real_tools import Kubectl, MI, ROOT, clients, established, until
 from .test_operator_crd import BAD, _bad
 
 DOCS = sorted([*ROOT.glob("docs/**/*.md"), *ROOT.glob("*.md"), *ROOT.glob("charts/**/*.md"),
@@ -241,7 +241,7 @@ def test_cel_rules_are_what_refuses_cross_field_layouts(kubectl: Kubectl):
 
 
 def _refused_only_with_the_rules(kubectl: Kubectl, control: str) -> None:
-    kubectl.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{control}")
+    established(kubectl, control)
     ruled = {case: r for case, r in bad_resources().items()
              if _field(BAD[case][1]) in ("spec", "spec.model", "spec.lora", "spec.engine", "spec.engine.parallelism",
                                          "spec.engine.speculative", "(root)")

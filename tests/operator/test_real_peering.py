@@ -25,7 +25,7 @@ import pytest
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
-from .real_tools import CHART, MI, OperatorProcess, example, service_account_kubeconfig, until
+from .real_tools import CHART, MI, OperatorProcess, established, example, service_account_kubeconfig, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -62,7 +62,7 @@ def _resource(fleet: Fleet) -> dict[str, Any]:
 def test_two_peered_operators_one_acts_and_the_other_takes_over_when_it_is_killed(fleet: Fleet):
     kubectl = fleet.kubectl
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(PEERING_CRD))
-    kubectl.run("wait", "--for=condition=Established", "--timeout=60s", "crd/kopfpeerings.kopf.dev")
+    established(kubectl, "kopfpeerings.kopf.dev")
     kubectl.apply([
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "kopf-peering"},

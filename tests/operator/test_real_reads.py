@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from .real_cluster import Namespace, kube, kube_namespace  # noqa: F401 - the fixtures
-from .real_tools import MI, Kubectl, clients, example, until
+from .real_tools import MI, Kubectl, clients, established, example, until
 
 #: What the tests name in their reads (tests/operator/test_real_*.py, real_*.py), beyond the fixture's own objects.
 LISTED = ["pods", "pod", "statefulset", "statefulsets", "sts", "deployment", "pdb", "poddisruptionbudgets", "hpa",
@@ -150,7 +150,7 @@ def test_a_kind_installed_after_the_first_read_resolves(pair: tuple[Kubectl, Kub
     kubectl.apply(crds)
     try:
         for crd in crds:
-            kubectl.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}")
+            established(kubectl, crd["metadata"]["name"])
         kubectl.apply([{"apiVersion": f"{group}/v1", "kind": "Widget", "metadata": {"name": "w"}},
                        {"apiVersion": f"{group}/v1", "kind": "Gadget", "metadata": {"name": f"g-{group}"}}])
         for name in ("widgets", "widget", "wdg", "Widget", f"widgets.{group}", f"widget.v1.{group}"):
