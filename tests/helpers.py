@@ -144,31 +144,27 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
     frame: a test that waited for its condition with them running let a tiny model's engines finish, on a loaded
     machine, the very requests it meant to catch in flight (at most a pulse's tokens pass between the condition
     and the verb now)."""
-    def signal_all(number: signal.Signals) -> None:
-        for pid in pids:
-            os.kill(pid, number)
-
-    signal_all(signal.SIGSTOP)
+    signal_processes(pids, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     try:
         while not predicate():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout} s of pulses waiting for {what}")
-            signal_all(signal.SIGCONT)
+            signal_processes(pids, signal.SIGCONT)
             time.sleep(pulse_s)
-            signal_all(signal.SIGSTOP)
+            signal_processes(pids, signal.SIGSTOP)
             settled = time.monotonic() + settle_s
             while not predicate() and time.monotonic() < settled:
                 await asyncio.sleep(0.005)
     except BaseException:
-        signal_all(signal.SIGCONT)  # a failed test's engines still stop when its fleet is torn down
+        signal_processes(pids, signal.SIGCONT)  # a failed test's engines still stop when its fleet is torn down
         raise
 
 
-def continue_processes(pids: list[int]) -> None:
-    """SIGCONT to each of ``pids`` (engines :func:`run_in_pulses` left stopped)."""
+def signal_processes(pids: list[int], number: signal.Signals) -> None:
+    """Signal ``number`` to each of ``pids`` (SIGCONT: engines :func:`run_in_pulses` left stopped)."""
     for pid in pids:
-        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, number)
 
 
 async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any]) -> T:
@@ -176,14 +172,12 @@ async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any
     :func:`run_in_pulses` leaves them so): they continue once ``held()`` (plain or async) says the fleet holds it, or
     once its answer came, and read it at their next step's end, not having run on between the test's decision and the
     verb's arrival."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    signal_processes(pids, signal.SIGSTOP)
     try:
         sent = asyncio.ensure_future(verb)
         await until(lambda: sent.done() or held(), 60, "the fleet to hold the verb")
     finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+        signal_processes(pids, signal.SIGCONT)
     return await sent
 
 

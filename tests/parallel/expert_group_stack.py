@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from typing import Any
 from megatron_serve.model.tiny import make_tiny_model
 from tests.run_stack import Streamed, client_stream
 
-from ..helpers import Children, continue_processes, free_port, run_in_pulses
+from ..helpers import Children, free_port, run_in_pulses, signal_processes
 from ..model.test_moe import VARIANTS
 
 RANKS = 4
@@ -58,7 +59,7 @@ class ExpertGroup:
         pids = [engine.pid for engine in self.engines]
         await run_in_pulses(pids, lambda: all(f.is_set() for f in firsts), "every stream's first token", timeout=300)
         if not held:
-            continue_processes(pids)
+            signal_processes(pids, signal.SIGCONT)
         assert not any(task.done() for task in tasks), "the streams ended before anything happened: nothing is tested"
         return tasks
 
@@ -75,7 +76,7 @@ class ExpertGroup:
         pids = [engine.pid for engine in survivors]
         said = [len(self.children.log_of(engine)) for engine in survivors]  # a regroup before this kill does not count
         self.engines[rank].kill()
-        continue_processes(pids)  # the streams still in flight: none ran on while they were stopped
+        signal_processes(pids, signal.SIGCONT)  # the streams still in flight: none ran on while they were stopped
         await self.completed(tasks)
         assert [engine.pid for engine in survivors if engine.poll() is None] == pids  # none restarted, none gone
         for d, engine, since in zip([d for d in range(self.ranks) if d != rank], survivors, said):

@@ -25,7 +25,7 @@ import pytest
 from megatron_serve.model.config import ModelConfig
 
 from megatron_serve.client.coordinator_client import InferenceClient
-from tests.helpers import run_in_pulses
+from tests.helpers import run_in_pulses, signal_processes
 from tests.processes import stop_process_group
 from tests.run_stack import RunStack, start_run
 
@@ -70,12 +70,9 @@ def test_kept_ids_past_the_budget_end_the_request_and_the_fleet_serves_the_next(
         assert again.status_code == 200, again.text
 
 
-async def _holder_killed(stack: RunStack) -> int:
-    """Freeze both engines, SIGKILL the one holding the request (the coordinator's status says which), wake the
-    other; the killed pid."""
-    engines = stack.children()["engine"]
-    for pid in engines:
-        os.kill(pid, signal.SIGSTOP)
+async def _holder_killed(stack: RunStack, engines: list[int]) -> int:
+    """With the ``engines`` stopped (:func:`~tests.helpers.run_in_pulses` leaves them so), SIGKILL the one holding the
+    request (the coordinator's status says which), continue the other; the killed pid."""
     try:
         async with InferenceClient(stack.coordinator(), stack.secret(), role="control") as control:
             status = await control.status()
@@ -83,8 +80,7 @@ async def _holder_killed(stack: RunStack) -> int:
         os.kill(victim, signal.SIGKILL)
         return victim
     finally:
-        for pid in engines:
-            os.kill(pid, signal.SIGCONT)
+        signal_processes(engines, signal.SIGCONT)
 
 
 async def test_kept_ids_delivered_before_an_engine_is_killed_stay_counted(tiny_model, tmp_path):
@@ -106,10 +102,11 @@ async def test_kept_ids_delivered_before_an_engine_is_killed_stay_counted(tiny_m
             reader = asyncio.create_task(read())
             # the engines run in pulses until the stream passed frozen_at, so that none runs on to the budget's end
             # before the kill (once in a CI run the request had ended, and no engine held it, when the kill came)
-            await run_in_pulses(stack.children()["engine"], lambda: stream["seen"] >= frozen_at or reader.done(),
+            engines = stack.children()["engine"]
+            await run_in_pulses(engines, lambda: stream["seen"] >= frozen_at or reader.done(),
                                 f"{frozen_at} tokens streamed")
             assert not reader.done(), f"the stream ended at {stream['seen']} tokens, before the kill"
-            victim, at_kill = await _holder_killed(stack), stream["seen"]
+            victim, at_kill = await _holder_killed(stack, engines), stream["seen"]
             await reader
         seen, last = stream["seen"], stream["last"]
         message = json.dumps(last)  # the stream's final event: the error
