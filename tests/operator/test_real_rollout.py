@@ -22,7 +22,7 @@ from typing import Any
 
 from .real_cluster import kube, kube_namespace  # noqa: F401 - the fixtures
 from .real_fleet import Fleet, fleet  # noqa: F401 - the fixture
-from .real_tools import condition, example, until
+from .real_tools import Kubectl, condition, example, until
 
 NAME = "llama-1b"
 GROUPS = 3
@@ -37,6 +37,10 @@ def _ready(pod: dict[str, Any]) -> bool:
 def _uids(fleet: Fleet) -> dict[str, str]:
     """Ready engine pods: name -> uid."""
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in fleet.engine_pods(NAME) if _ready(p)}
+
+
+def _halted_events(kubectl: Kubectl) -> list[dict[str, Any]]:
+    return [e for e in kubectl.events(NAME) if e.get("reason") == "RolloutHalted"]
 
 
 def test_a_rollout_that_misses_its_deadline_halts_and_a_revert_rolls_it_back(fleet: Fleet):
@@ -60,10 +64,13 @@ def test_a_rollout_that_misses_its_deadline_halts_and_a_revert_rolls_it_back(fle
     assert halted["reason"] == "ProgressDeadlineExceeded"
     assert f"{NAME}-engine-0 is not Ready" in halted["message"]
     assert "cannot be scheduled" in halted["message"] and "node(s) didn't match" in halted["message"]
-    events = [e for e in kubectl.events(NAME) if e.get("reason") == "RolloutHalted"]
-    assert len(events) == 1 and events[0]["type"] == "Warning", events
+    # The Event is posted after the status that says halted (a CI run here read the events in between), and once:
+    # still one after three more passes.
+    until(lambda: _halted_events(kubectl), 30, "a RolloutHalted event")
     # No other group was touched: groups 1 and 2 run the same pods, on the old template, a few passes later.
     until(lambda: fleet.operators[0].log().count("waiting for their turn to roll") >= 3, 30, "three more passes")
+    events = _halted_events(kubectl)
+    assert len(events) == 1 and events[0]["type"] == "Warning", events
     now = _uids(fleet)
     assert {k: v for k, v in now.items() if not k.startswith(f"{NAME}-engine-0")} == \
         {k: v for k, v in before.items() if not k.startswith(f"{NAME}-engine-0")}
