@@ -136,14 +136,14 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str, interva
 
 
 async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: str, *, pulse_s: float = 0.001,
-                        settle_s: float = 0.1, timeout: float = 120) -> None:
+                        longest_pulse_s: float | None = None, settle_s: float = 0.1, timeout: float = 120) -> None:
     """Stop the engine processes ``pids`` (SIGSTOP) and let them run ``pulse_s`` at a time until ``predicate()``
     holds; they are left stopped, for :func:`while_held` to send a verb to. A pulse is SIGCONT, a blocking sleep and
     SIGSTOP, with no turn of this process's event loop in between; then up to ``settle_s`` for what the pulse made
     to reach this process. So the engines never run on while this process waits for a core, a collection or a
     frame: a test that waited for its condition with them running let a tiny model's engines finish, on a loaded
     machine, the very requests it meant to catch in flight (at most a pulse's tokens pass between the condition
-    and the verb now)."""
+    and the verb now). ``longest_pulse_s``: each pulse twice the last, up to that (work of unknown length)."""
     signal_processes(pids, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     try:
@@ -153,6 +153,8 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
             signal_processes(pids, signal.SIGCONT)
             time.sleep(pulse_s)
             signal_processes(pids, signal.SIGSTOP)
+            if longest_pulse_s is not None:
+                pulse_s = min(2 * pulse_s, longest_pulse_s)
             settled = time.monotonic() + settle_s
             while not predicate() and time.monotonic() < settled:
                 await asyncio.sleep(0.005)
@@ -169,13 +171,15 @@ def signal_processes(pids: list[int], number: signal.Signals) -> None:
 
 async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any]) -> T:
     """``verb`` (a call not yet awaited) sent while the engine processes ``pids`` are stopped (SIGSTOP;
-    :func:`run_in_pulses` leaves them so): they continue once ``held()`` (plain or async) says the fleet holds it, or
-    once its answer came, and read it at their next step's end, not having run on between the test's decision and the
-    verb's arrival."""
+    :func:`run_in_pulses` leaves them so): once ``held()`` (plain or async) says the fleet holds it, they run in pulses
+    (1 ms, then twice the last, up to 64 ms) until its answer came, and read it at a step's end, not having run on
+    between the test's decision and the verb's arrival. Pulses, not a plain SIGCONT: an engine reads a verb on its
+    link thread, which on a loaded machine may wait for a core while the step loop runs on for a hundred tokens."""
     signal_processes(pids, signal.SIGSTOP)
     try:
         sent = asyncio.ensure_future(verb)
         await until(lambda: sent.done() or held(), 60, "the fleet to hold the verb")
+        await run_in_pulses(pids, sent.done, "the verb's answer", longest_pulse_s=0.064, settle_s=0.02)
     finally:
         signal_processes(pids, signal.SIGCONT)
     return await sent
