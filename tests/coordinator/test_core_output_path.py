@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from megatron_serve.engine.output import plain_first
 from megatron_serve.wire.expert_routing import routing_to_wire
 from megatron_serve.wire.messages import PROTOCOL_VERSION, EngineStep, Hello, PromptScores, RoutingRows, RequestDelta, Submit
 from megatron_serve.wire.protocol import ErrorCode, Header
@@ -21,11 +22,16 @@ from .test_core import C, E1, submit
 SLIM = {"request_id": "c1/r", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}
 
 
-def send_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta, record: dict | None = None) -> None:
-    """An engine's step of ``outputs``; ``record``: the final record of the finished one, beside the deltas."""
+def send_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta, record: dict | None = None,
+              plain: bool = True) -> None:
+    """An engine's step of ``outputs``, as an engine's link builds it (:func:`plain_first`: the plain deltas first,
+    named); ``record``: the final record of the finished one, beside the deltas; ``plain=False``: as an engine of
+    protocol 8 sent it (no ``plain_ids``, every output read one by one)."""
     records = {} if record is None else {"c1/r": msgspec.Raw(msgspec.msgpack.encode(record))}
-    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, records=records, outputs=[
-        msgspec.Raw(msgspec.msgpack.encode(out)) for out in outputs]))
+    body = plain_first(engine_id, list(outputs), {})
+    h.send(E1, Header.ENGINE_STEP, EngineStep(
+        engine_id=engine_id, records=records, plain_ids=body.plain_ids if plain else [],
+        outputs=[msgspec.Raw(msgspec.msgpack.encode(out)) for out in (body.outputs if plain else outputs)]))
 
 
 def delta(tokens: list[int], finished: bool = False, **fields) -> RequestDelta:

@@ -6,19 +6,21 @@ share with prompt scores, routing rows or kept ids is read whole at once."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from megatron_serve.coordinator.requests import UNREAD_LIMIT
-from megatron_serve.wire.messages import PromptScores
+from megatron_serve.wire.messages import ClientAbort, EngineStep, PromptScores, TokenDelta
 from megatron_serve.wire.protocol import Header
 
 from .test_core import C, E1, E2, submit
 from .test_core_output_path import delta, dispatched, send_step
 
 
-def test_plain_shares_are_filed_unread_and_read_whole_when_the_mirror_is():
+@pytest.mark.parametrize("named", [True, False], ids=["named-plain", "protocol-8-engine"])
+def test_plain_shares_are_filed_unread_and_read_whole_when_the_mirror_is(named):
     h, e1 = dispatched(tokens=10)
-    send_step(h, e1, delta([5], new_log_probs=[-0.5], epochs=[[3], [2], [-1]]))
-    send_step(h, e1, delta([6, 7], new_log_probs=[-0.25, -0.125], epochs=[[3, 3], [2, 2], [1, 1]]))
+    send_step(h, e1, delta([5], new_log_probs=[-0.5], epochs=[[3], [2], [-1]]), plain=named)
+    send_step(h, e1, delta([6, 7], new_log_probs=[-0.25, -0.125], epochs=[[3, 3], [2, 2], [1, 1]]), plain=named)
     assert [d.new_tokens for d in h.take(C)] == [[5], [6, 7]]  # forwarded at once
     record = h.core.flow.table.get("c1/r")
     assert len(record.unread) == 2 and record.mirror.tokens == []  # filed, not read
@@ -76,3 +78,36 @@ def test_a_long_request_holds_at_most_the_limit_of_filed_shares():
     record = h.core.flow.table.get("c1/r")
     assert len(record.unread) == 10 and len(record.mirror.tokens) == UNREAD_LIMIT  # read in at the limit, in order
     assert record.generated_tokens == list(range(UNREAD_LIMIT + 10))
+
+
+def test_a_step_names_its_plain_shares_and_none_of_them_is_read():
+    """ENGINE_STEP's ``plain_ids`` (protocol 9): the named shares are filed and forwarded by those ids, unread. The
+    share here carries no request id of its own, which a share read one by one must (the control: unnamed, it is
+    dropped as unreadable)."""
+    for named, forwarded in ((True, [[5]]), (False, [])):
+        h, e1 = dispatched(tokens=10)
+        share = msgspec.Raw(msgspec.msgpack.encode(TokenDelta(new_tokens=[5], epochs=[[0], [0], [-1]])))
+        h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[share], plain_ids=["c1/r"] if named else []))
+        assert [d.new_tokens for d in h.take(C)] == forwarded
+        assert h.core.flow.table.get("c1/r").generated_tokens == [t for d in forwarded for t in d]
+
+
+def test_a_step_naming_more_plain_shares_than_it_carries_is_dropped_by_name():
+    h, e1 = dispatched(tokens=10)
+    share = msgspec.Raw(msgspec.msgpack.encode(delta([5])))
+    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[share], plain_ids=["c1/r", "c1/s"]))
+    assert h.take(C) == [] and h.core.flow.table.get("c1/r").generated_tokens == []
+    assert h.core.drop.total == 1
+
+
+def test_a_named_share_of_an_aborted_request_is_not_delivered():
+    h, e1 = dispatched(tokens=10)
+    send_step(h, e1, delta([5]))
+    assert h.take(C)
+    h.send(C, Header.ABORT, ClientAbort(client_request_id="r"))  # ended here: its engine's later shares are stale
+    assert h.take(C, Header.RESULT)
+    stale = h.core.flow.stale_outputs
+    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(
+        delta([6])))], plain_ids=["c1/r"]))
+    assert h.take(C, Header.STEP_TOKENS) == [] and h.core.flow.table.get("c1/r").generated_tokens == [5]
+    assert h.core.flow.stale_outputs == stale + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from megatron_serve.engine.output import step_bodies, step_messages
+from megatron_serve.engine.output import plain_first, step_bodies, step_messages
 from megatron_serve.engine.steps import StepOutput
 from megatron_serve.wire.frame_cuts import FRAME_ENTRIES
 from megatron_serve.wire.request import FinalRecord, RequestStatus
@@ -75,3 +75,17 @@ def test_a_finished_request_s_record_travels_beside_its_delta_in_its_message():
         assert all("request" not in msgspec.msgpack.decode(raw) for raw in wire.outputs)
         assert {rid: msgspec.msgpack.decode(raw)["request_id"] for rid, raw in wire.records.items()} == {
             rid: rid for rid in finished}
+
+
+def test_a_step_body_puts_its_plain_deltas_first_and_names_them():
+    """``plain_ids`` (protocol 9): the coordinator passes the named deltas on unread, so only a delta with new tokens,
+    not finished, and without routing rows, prompt scores or kept ids is named; the others follow, read one by one."""
+    finished = RequestDelta(request_id="done", new_tokens=[4], finished=True)
+    scored_one = scored("scored", 3)
+    empty = RequestDelta(request_id="empty", new_tokens=[], finished=False)
+    kept = RequestDelta(request_id="kept", new_tokens=[5], finished=False, top_p_token_ids=[[5, 6]])
+    plain = [RequestDelta(request_id=f"p{i}", new_tokens=[i], finished=False) for i in range(3)]
+    body = plain_first("e", [finished, plain[0], scored_one, plain[1], empty, kept, plain[2]], {"done": None})
+    assert body.plain_ids == ["p0", "p1", "p2"]
+    assert body.outputs == plain + [finished, scored_one, empty, kept]
+    assert plain_first("e", plain, {}).outputs == plain  # all plain: as they came

@@ -217,10 +217,11 @@ class RequestFlow:
         """An engine's step: each request's share mirrored and sent on to its client in one ``STEP_TOKENS``, then
         the finished ones' RESULTs.
 
-        A plain share (ids and epochs, what most steps carry) is read only for its request id, its ids and whether it
-        ends the request, and filed as its bytes (:meth:`RequestRecord.file`); one with routing rows, prompt scores or
-        kept ids, one of a request with a kept-ids budget, and every share while a prefill hands requests on to
-        decode engines, is read whole and mirrored at once."""
+        A plain share (ids and epochs, what most steps carry) is filed as its bytes (:meth:`RequestRecord.file`) and
+        forwarded: unread when the engine named it in ``plain_ids`` (:meth:`_file_plain`), else read only for its
+        request id, its ids and whether it ends the request. One with routing rows, prompt scores or kept ids, one of
+        a request with a kept-ids budget, and every share while a prefill hands requests on to decode engines, is read
+        whole and mirrored at once."""
         if body.engine_id != engine.engine_id:
             # Output of an earlier registration of this same socket: its requests were re-queued.
             self._drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
@@ -230,7 +231,10 @@ class RequestFlow:
         finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]] = []
         over: list[tuple[RequestRecord, str]] = []
         careful = self.handoffs.active
-        for raw in body.outputs:
+        outputs = body.outputs
+        if body.plain_ids and not careful:
+            outputs = self._file_plain(engine, body.plain_ids, outputs, steps)
+        for raw in outputs:
             try:
                 facts = facts_of(raw)
                 record = records.get(facts.request_id)
@@ -270,6 +274,30 @@ class RequestFlow:
             engine.completed += 1
             if not handed_on:  # a prefill engine's finish hands the request on to a decode engine
                 self._finish_from_engine(engine, record, final)
+
+    def _file_plain(self, engine: EngineRecord, plain_ids: list[str], outputs: list[msgspec.Raw],
+                    steps: StepShares) -> list[msgspec.Raw]:
+        """File and forward the step's plain deltas, the first ``len(plain_ids)`` outputs, by the ids the engine named
+        them with: none is decoded here. Returns the outputs left to read one by one: the rest, and a plain delta of a
+        request with a kept-ids budget (counted as it comes)."""
+        count = len(plain_ids)
+        if count > len(outputs):
+            self._drop(engine.engine_id, f"ENGINE_STEP names {count} plain outputs of {len(outputs)}")
+            return []
+        records, engine_id, clients, dispatched = self.table.records, engine.engine_id, self._clients, Phase.DISPATCHED
+        rest: list[msgspec.Raw] = []
+        for request_id, raw in zip(plain_ids, outputs):
+            record = records.get(request_id)
+            if record is None or record.phase is not dispatched or record.engine_id != engine_id:
+                self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
+            elif record.kept is not None:
+                rest.append(raw)
+            else:
+                record.file(raw)
+                client = clients.get(record.client_id)
+                if client is not None and client.identity is not None:
+                    steps.add(client.identity, client.batches, record.client_request_id, raw)
+        return rest + outputs[count:] if rest else outputs[count:]
 
     def _mirror(self, record: RequestRecord, out: RequestDelta, raw: msgspec.Raw, steps: StepShares) -> None:
         """Keep the step's share (a request that moves continues from its tokens) and file it for the client's

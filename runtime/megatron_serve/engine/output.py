@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
-from ..wire.deltas import EngineStepOut, RequestDelta, RoutingRows
+from ..wire.deltas import EngineStepOut, RequestDelta, RoutingRows, is_plain
 from ..wire.frame_cuts import FRAME_ENTRIES, delta_entries, runs
 from ..wire.request import FinalRecord
 
@@ -59,11 +59,21 @@ def step_delta(out: "StepOutput") -> RequestDelta:
 
 def step_bodies(engine_id: str, outputs: Sequence["StepOutput"]) -> list[EngineStepOut]:
     """A step's ``ENGINE_STEP`` bodies (:func:`step_messages`): each request's delta, and the final records of those
-    that finished in the body of their delta."""
+    that finished in the body of their delta. In each body the plain deltas come first, their request ids beside
+    them (``plain_ids``): the coordinator passes those on without reading them."""
     finals = {out.request_id: out.final for out in outputs if out.finished}
-    return [EngineStepOut(engine_id=engine_id, outputs=deltas,
-                          records={d.request_id: finals[d.request_id] for d in deltas if d.finished})
+    return [plain_first(engine_id, deltas, {d.request_id: finals[d.request_id] for d in deltas if d.finished})
             for deltas in step_messages([step_delta(out) for out in outputs])]
+
+
+def plain_first(engine_id: str, deltas: list[RequestDelta], records: dict[str, FinalRecord | None]) -> EngineStepOut:
+    """One ``ENGINE_STEP`` body: the plain deltas (:func:`~..wire.deltas.is_plain`) first, named in ``plain_ids``,
+    then the others (a step's deltas are each another request's: their order says nothing)."""
+    plain = [d for d in deltas if is_plain(d)]
+    if len(plain) < len(deltas):
+        deltas = plain + [d for d in deltas if not is_plain(d)]
+    return EngineStepOut(engine_id=engine_id, outputs=deltas, records=records,
+                         plain_ids=[d.request_id for d in plain])
 
 
 def ended_body(engine_id: str, records: list[FinalRecord]) -> EngineStepOut:

@@ -73,6 +73,16 @@ class EngineStep(Body):
     # whose delta here is finished, by request id: apart from the deltas, so that the coordinator forwards both as
     # the engine's bytes (each delta in ``STEP_TOKENS``, each record in ``RESULT``) and reads only a record's status.
     records: dict[str, msgspec.Raw] = {}
+    # The request ids of the first ``len(plain_ids)`` outputs, in order, each a plain delta (:func:`is_plain`): the
+    # coordinator files and forwards those without decoding any (protocol 9; absent, every output is read).
+    plain_ids: list[str] = []
+
+
+def is_plain(delta: RequestDelta) -> bool:
+    """A delta whose passage through the coordinator reads nothing but its request id: new tokens, the request not
+    finished, and none of the fields the coordinator reads at once (routing rows, prompt scores, kept ids)."""
+    return bool(delta.new_tokens) and not delta.finished and delta.routing is None and delta.prompt_scores is None \
+        and delta.top_p_token_ids is None
 
 
 class EngineStepOut(Body):
@@ -82,6 +92,7 @@ class EngineStepOut(Body):
     engine_id: str
     outputs: list[RequestDelta]
     records: dict[str, Any] = {}
+    plain_ids: list[str] = []
 
 
 class StepTokens(Body):

@@ -19,7 +19,9 @@ client no longer reads; each refuses the other with a message naming both versio
 Version 8 moves a finished request's final record out of its ``ENGINE_STEP`` delta into the step's ``records``
 (:class:`~megatron_serve.wire.deltas.EngineStep`), so that the coordinator forwards both as the engine's bytes; a
 coordinator refuses an engine below 8 (:data:`ENGINE_PROTOCOL`) with a message naming both versions, since the
-records it sent would go unread.
+records it sent would go unread. Version 9 adds ``ENGINE_STEP``'s ``plain_ids``: the request ids of the step's
+leading plain deltas, which the coordinator files and forwards without reading them; a coordinator reads every delta
+of a step without them (an engine of 8), and an older coordinator ignores them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import msgspec
 from .body import Body, ClientId
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 #: The oldest protocol a coordinator registers an engine of: 8 moved a finished request's record out of its last
 #: delta (a record there would be lost), so an older engine is refused by name.
 ENGINE_PROTOCOL = 8
