@@ -20,9 +20,11 @@ RECORDER = textwrap.dedent("""\
     #!{python}
     import json, os, sys, time
     args = sys.argv[3:]  # after "-m megatron_serve.cli"
-    if args[0] == "coordinator":
-        with open(args[args.index("--address-file") + 1], "w") as f:
+    if args[0] == "coordinator":  # publishes its address whole, as the coordinator does (a CI run read it empty)
+        path = args[args.index("--address-file") + 1]
+        with open(path + ".tmp", "w") as f:
             f.write("tcp://127.0.0.1:1")
+        os.replace(path + ".tmp", path)
         time.sleep(60)
     else:
         with open({record!r}, "a") as f:
