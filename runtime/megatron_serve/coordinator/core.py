@@ -142,6 +142,13 @@ class CoordinatorCore:
         self.liveness.expire(now)
         return self._settle(now)
 
+    def quiet(self) -> bool:
+        """Nothing under way that the clock decides soon: no request in the table (queued, on an engine, or finished
+        and not yet acknowledged: a tenant's band improves as it waits, a stalled engine's requests move), no verb (its
+        step's deadline, a drain's), no dropped frames waiting to be logged. The loop ticks less often then
+        (:func:`~.loop.quiet_tick`); the deadlines left (heartbeats, stalls, absent clients) are seconds long."""
+        return not self.flow.table and not self.verbs.queue and not self.drop.suppressed
+
     def _settle(self, now: float) -> list[Effect]:
         """Run what the input left to do (advance the lifecycle, dispatch), then hand over the effects."""
         self.verbs.settle(now)

@@ -39,7 +39,8 @@ from .effects import Effect, Probe, Send
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
-_TICK_S = 0.05
+_TICK_S = 0.05  # the clock's period while anything is under way
+_QUIET_TICK_S = 0.5  # its longest period while the fleet is quiet (CoordinatorCore.quiet), see quiet_tick
 _MAX_BURST = 512  # frames handled before the gathered sends are flushed and the clock looked at
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
 
@@ -155,7 +156,8 @@ class Coordinator:
             self.bind()
         sock, core = self.sock, self.core
         outbox: list[Effect] = []
-        next_tick = 0.0
+        last_tick = -_QUIET_TICK_S
+        interval, quiet_interval = _TICK_S, quiet_tick(core)
         try:
             while not self._stop:
                 # The first receive of a pass blocks (up to a tick: RCVTIMEO) unless a frame is waiting;
@@ -175,14 +177,20 @@ class Coordinator:
                         flags = zmq.NOBLOCK
                     outbox += self._on_frame(identity, frame)
                 now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + _TICK_S
+                if now - last_tick >= interval:
+                    last_tick = now
                     self._drain_monitor()
                     outbox += self._tick(now)
                 while outbox or self._backlog:
                     outbox = self._perform(outbox)
                     if self._backlog and not outbox:
                         break  # full queues: retried on the next pass
+                # The clock's period for the next pass, and the idle wait with it: a quiet fleet is woken and
+                # ticked a few times a second, not 20 (docs/benchmarks.md, issue 84: the idle coordinator's CPU).
+                period = quiet_interval if not (self._probes or self._backlog) and core.quiet() else _TICK_S
+                if period != interval:
+                    interval = period
+                    sock.setsockopt(zmq.RCVTIMEO, int(period * 1000))
         finally:
             logger.info("coordinator %s stopping (%d requests in its table)", core.lifecycle.coordinator_id,
                         len(core.flow.table))
@@ -278,6 +286,15 @@ class Coordinator:
             if event.get("event") == zmq.EVENT_DISCONNECTED:
                 fd, now = int(event.get("value", -1)), time.monotonic()
                 self._probes.extend((now + d, fd) for d in _PROBE_DELAYS)
+
+
+def quiet_tick(core: CoordinatorCore) -> float:
+    """The clock's period while the fleet is quiet: a twentieth of the shortest deadline that a tick decides (an
+    engine's heartbeat, its stall, a client's absence), between 50 ms and :data:`_QUIET_TICK_S`; so a deadline is
+    passed by at most 5% of itself, as at the busy period, and a fleet given short deadlines (tests) ticks as often
+    as a busy one."""
+    deadlines = core.deadlines
+    return min(_QUIET_TICK_S, max(_TICK_S, min(deadlines.heartbeat, deadlines.stall, deadlines.client) / 20))
 
 
 def frames_by_peer(sends: list[Send]) -> dict[bytes, list[bytes]]:
