@@ -82,9 +82,9 @@ async def test_pieces_go_straight_into_the_connection_and_the_events_are_the_sam
 class Full:
     """A connection's transport whose buffer holds bytes (``waiting``) the client has not read."""
 
-    def __init__(self, transport) -> None:
+    def __init__(self, transport, waiting: int = 1 << 20) -> None:
         self.transport = transport
-        self.waiting = 1 << 20
+        self.waiting = waiting
 
     def get_write_buffer_size(self) -> int:
         return self.waiting
@@ -97,8 +97,10 @@ async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(toke
     bodies: list = []
     offered = streaming.chunked_body
 
-    def keeping(scope):  # the first stream's body writer: its connection is the one made full
-        body = offered(scope)
+    def keeping(scope):  # the first stream's body writer: its connection is the one made full (its transport wrapped
+        body = offered(scope)  # before the answer is poured, since a plain stream's sink then holds the transport)
+        if body is not None and not bodies:
+            body._transport = Full(body._transport, waiting=0)
         bodies.append(body)
         return body
 
@@ -110,8 +112,8 @@ async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(toke
             chunks = slow.aiter_bytes()
             first = await chunks.__anext__()
             assert bodies and bodies[0] is not None, "the stream got no body writer"
-            full = Full(bodies[0]._transport)
-            bodies[0]._transport = full  # what the transport and its protocol say when the client does not read:
+            full = bodies[0]._transport
+            full.waiting = 1 << 20  # what the transport and its protocol say when the client does not read:
             flow = bodies[0]._flow  # bytes wait in its buffer, past the mark where writing pauses
             flow.pause_writing()
             other = await http.post("/v1/completions", json=body)  # runs whole while the first waits
@@ -186,6 +188,8 @@ class _Connection:
     """A response's ``ChunkedBody`` as the writer sees it: takes every chunk at once and keeps it (the test's double of
     the connection; the real one is a socket's transport)."""
 
+    transport = None  # no transport for a lane to write into: every piece goes through write_now or write
+
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
 
@@ -227,4 +231,74 @@ async def test_choices_of_one_pass_go_out_as_one_chunk_and_before_the_end():
     writer.write(b"data: b\n\n")
     assert single.chunks == [b"data: a\n\n", b"data: b\n\n"]  # at once, a chunk each
     writer.finish(b"")
+    await pouring
+
+
+class _Transport:
+    """A connection's transport as the body writer sees it: what was written, and bytes its buffer holds."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.buffered = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.data.append(data)
+
+
+class _Body:
+    """A ``ChunkedBody`` over :class:`_Transport` (the real one needs uvicorn's request-response cycle)."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+
+    def write_now(self, body: bytes) -> bool:
+        return chunked.write_chunk(self.transport, body)
+
+    async def write(self, body: bytes) -> None:
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+class _Lane:
+    direct = None
+
+
+async def test_a_lane_holds_the_transport_only_while_nothing_waits_and_until_the_end():
+    """A plain stream's sink (a lane) is given the connection's transport once the answer is poured and nothing waits;
+    a piece that finds the connection's buffer full waits in the writer, and the lane loses the transport until the
+    writer wrote it; the answer's end takes it back for good. Control: an answer that gathers never gives it."""
+    transport = _Transport()
+    writer = streaming.EventWriter()
+    lane = _Lane()
+    writer.write(b"data: first\n\n")  # before the response started: it waits
+    writer.add_lane(lane)
+    assert lane.direct is None
+    pouring = asyncio.ensure_future(writer.pour(_Body(transport), None))
+    await asyncio.sleep(0)
+    assert lane.direct is transport and transport.data == [b"d\r\ndata: first\n\n\r\n"]
+    transport.buffered = 100  # the client does not read: the next piece waits, and so must the lane's
+    writer.write(b"data: second\n\n")
+    assert lane.direct is None
+    transport.buffered = 0
+    await asyncio.sleep(0)  # the response's task writes what waits, then gives the transport back
+    assert transport.data[1:] == [b"e\r\ndata: second\n\n\r\n"] and lane.direct is transport
+    writer.finish(b"data: [DONE]\n\n")
+    assert lane.direct is None
+    assert await pouring == b"data: [DONE]\n\n"
+    writer.add_lane(lane)  # too late: the answer ended
+    assert lane.direct is None
+
+    gathering, other = streaming.EventWriter(), _Lane()
+    gathering.gather()
+    gathering.write(b"data: a\n\n")
+    gathering.add_lane(other)
+    pouring = asyncio.ensure_future(gathering.pour(_Body(_Transport()), None))
+    await asyncio.sleep(0)
+    assert other.direct is None
+    gathering.finish(b"")
     await pouring

@@ -125,7 +125,9 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
         tiny_model, tokenizer, monkeypatch):
     """A plain stream's tokens after its first go from the client's collector to the answer's writer as text alone
     (``_TextTagged.put_text``, counted by a wrapper that keeps it), completions and chats alike, and the text is the
-    whole answer's; a stream whose chunks list token ids takes whole pieces, each with its ids."""
+    whole answer's; a stream whose chunks list token ids takes whole pieces, each with its ids. Once the response
+    is being poured, a plain stream's sink writes those chunks into the connection's transport itself (the writer's
+    lane: ``generation.write_chunk``, counted); two choices' pieces are gathered by the writer instead."""
     from megatron_serve.server import generation
 
     taken: list[str] = []
@@ -137,7 +139,17 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
             taken.append(text)
         return took
 
+    direct: list[bytes] = []
+    write_chunk = generation.write_chunk
+
+    def written(transport, body: bytes) -> bool:
+        wrote = write_chunk(transport, body)
+        if wrote:
+            direct.append(body)
+        return wrote
+
     monkeypatch.setattr(generation._TextTagged, "put_text", counted)
+    monkeypatch.setattr(generation, "write_chunk", written)
     async with served(tiny_model, tokenizer) as (client, _):
         async def completion(prompt: str) -> str:
             stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
@@ -153,6 +165,9 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
         prompts = PROMPTS[:10]
         streamed = await asyncio.gather(*(completion(p) for p in prompts), *(chat(p) for p in prompts))
         assert len(taken) >= 20 * 10  # most of each stream's 15 later tokens (a held byte's text comes whole)
+        assert len(direct) >= 20 * 5  # straight into the connection by the sink (those before the response started
+        # wait in the writer and go out as one chunk)
+        lanes = len(direct)
         whole = [(await client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
                                                   extra_body=IGNORE_EOS)).choices[0].text for p in prompts]
         chats = [(await client.chat.completions.create(
@@ -168,6 +183,7 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
         assert texts == [whole[0], whole[0]] and len(taken) >= 2 * 10
+        assert len(direct) == lanes  # gathered by the writer, one chunk a step: no lane writes alone
 
         taken.clear()
         stream = await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,

@@ -62,12 +62,12 @@ class ChunkedBody:
         Only for a response that is being sent (its writer stops before the response completes), so the transport
         alone says it all: a client that left closed it (``connection_lost``, the read timeout). The cycle and the
         flow control, two more objects to fetch from memory per token, are not read."""
-        transport = self._transport
-        if transport.get_write_buffer_size() or transport.is_closing():
-            return False
-        if body:  # an empty chunk would end the body
-            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
+        return write_chunk(self._transport, body)
+
+    @property
+    def transport(self) -> Any:
+        """The connection's transport (what :func:`write_chunk` writes into)."""
+        return self._transport
 
     async def write(self, body: bytes) -> None:
         """One chunk of ``body``, as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
@@ -79,6 +79,17 @@ class ChunkedBody:
         if cycle.disconnected or cycle.response_complete:
             return
         self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+def write_chunk(transport: Any, body: bytes) -> bool:
+    """:meth:`ChunkedBody.write_now` on the response's transport itself: for what holds the transport while nothing
+    written before waits (a ``streaming.Lane``), so that a plain stream's token reads neither the body nor the
+    writer."""
+    if transport.get_write_buffer_size() or transport.is_closing():
+        return False
+    if body:  # an empty chunk would end the body
+        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+    return True
 
 
 def offer(scope: Scope, cycle: Any) -> None:

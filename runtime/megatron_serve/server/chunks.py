@@ -49,19 +49,24 @@ SLOT = "\x00megatron-serve text slot\x00"
 _SLOT_JSON = _JSON.encode(SLOT)
 
 
+def text_event(before: bytes, text: str, after: bytes) -> bytes:
+    """The event of a chunk that adds ``text`` alone, from the bytes around its text (:class:`TextChunks`)."""
+    data = _JSON.encode(text)
+    return before + (data if data.isascii() else _escape_breaks(data)) + after
+
+
 class TextChunks:
     """The events of the chunks that add a text alone to one choice: the bytes around the text, cut once from a chunk
     :class:`ChunkWriter` made, and the text's JSON between them (the cut is exact: see :class:`ChunkWriter`)."""
 
-    __slots__ = ("_before", "_after")
+    __slots__ = ("before", "after")
 
     def __init__(self, before: bytes, after: bytes) -> None:
-        self._before, self._after = before, after
+        self.before, self.after = before, after
 
     def event(self, text: str) -> bytes:
         """The event of the chunk that adds ``text`` alone."""
-        data = _JSON.encode(text)
-        return self._before + (data if data.isascii() else _escape_breaks(data)) + self._after
+        return text_event(self.before, text, self.after)
 
 
 class ChunkWriter:

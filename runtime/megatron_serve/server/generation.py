@@ -33,7 +33,8 @@ from .backend import Backend
 from .metrics import ServerMetrics
 from .placement import placement_refused
 from .request_log import RequestLog
-from .chunks import TextChunks
+from .chunked import write_chunk
+from .chunks import TextChunks, text_event
 from .streaming import DONE, EventWriter, Renderer
 
 if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
@@ -71,24 +72,38 @@ class _Tagged:
 class _TextTagged(_Tagged):
     """:class:`_Tagged` for a stream whose pieces go out as they come (no ``stream_interval``), as a
     ``client.streams.TextSink``: once the job's first piece went, a plain choice's later text goes straight from
-    here to the answer's writer, its chunk made by the renderer's :class:`~.chunks.TextChunks`. A step's token then
-    touches this object, those chunks and the writer, not the submission and the renderer's bookkeeping."""
+    here to the answer's connection, its chunk made from the bytes around the text that the renderer's
+    :class:`~.chunks.TextChunks` cut. It is the writer's :class:`~.streaming.Lane`: while the writer lets it
+    (:attr:`direct`), a step's token touches this object, those bytes and the transport alone, not the submission,
+    the renderer's bookkeeping, the writer or its body; otherwise the chunk goes through the writer."""
 
-    __slots__ = ("_render", "_writer", "_job", "_chunks")
+    __slots__ = ("_render", "_writer", "_job", "_chunks", "_before", "_after", "direct")
 
     def __init__(self, submission: "Submission", job: EngineJob, request_id: str, render: Renderer[Any],
                  writer: EventWriter) -> None:
         super().__init__(submission, job, request_id)
         self._render, self._writer, self._job = render, writer, job
         self._chunks: TextChunks | bool | None = None  # asked once (then False: every piece goes whole)
+        self._before = self._after = b""
+        self.direct: Any = None  # the transport to write into, while the writer says so (EventWriter.add_lane)
 
     def put_text(self, text: str) -> bool:
         """The job's new ``text`` alone, as :meth:`Submission.deliver` delivers a piece of that text and nothing
         else; False when the renderer wants whole pieces. Asked only after the job's first piece (the client's
         collector takes the first token the general way), so the renderer's answer then holds for the stream."""
+        transport = self.direct
+        if transport is not None:  # (set only once the chunks below were made)
+            if text:
+                event = text_event(self._before, text, self._after)
+                if not write_chunk(transport, event):  # the connection's buffer is full: the writer queues it
+                    self._writer.write(event)
+            return True
         chunks = self._chunks
         if chunks is None:
             chunks = self._chunks = self._render.text_chunks(self._job) or False
+            if chunks is not False:
+                self._before, self._after = chunks.before, chunks.after
+                self._writer.add_lane(self)
         if chunks is False:
             return False
         if text:

@@ -165,6 +165,13 @@ class Renderer(Protocol[T]):
     def end(self) -> bytes: ...
 
 
+class Lane(Protocol):
+    """What writes an answer's pieces straight into its connection while :class:`EventWriter` says it may: ``direct``
+    is that transport, or None."""
+
+    direct: Any
+
+
 class EventWriter:
     """The one way a streamed answer's bytes reach its client, in order, whoever made them (the client's receive loop in
     its pass over a step, or a job's task).
@@ -180,9 +187,18 @@ class EventWriter:
     (a callback of the event loop's next turn) instead of a chunk, a ``send`` system call, per choice: the write is
     most of a streamed token's CPU in the HTTP server. One choice's answer writes each piece at once, as the extra
     turn would cost it more than it saves.
+
+    A :class:`Lane` (a plain stream's sink, ``generation._TextTagged``) is told the connection's transport while a
+    piece may go straight into it: the response is being poured through a :class:`~.chunked.ChunkedBody`, nothing
+    waits, nothing is gathered and the answer has not ended; else None. It then writes its pieces there itself
+    (:func:`~.chunked.write_chunk`), in the same order and on the same conditions as :meth:`write`, and a streamed
+    token reads neither this writer, its queue nor the body: each is one more object to fetch from memory per token
+    (what it saves: docs/benchmarks.md, issue 84). The writer tells its lanes whenever that changes, which is a few
+    times per answer, and forgets them when it ends (no reference cycle left to the garbage collector).
     """
 
-    __slots__ = ("_waiting", "_body", "_wake", "_gathered", "_gathering", "made", "last", "error")
+    __slots__ = ("_waiting", "_body", "_wake", "_gathered", "_gathering", "made", "last", "error", "_direct",
+                 "_lanes")
 
     def __init__(self) -> None:
         self._waiting: collections.deque[bytes] = collections.deque()
@@ -193,6 +209,8 @@ class EventWriter:
         self.made = False  # some events were made (an error after that is an error event)
         self.last: bytes | None = None  # set when the answer ended: what goes with the end of the body
         self.error: APIError | None = None  # the answer failed before any event
+        self._direct: Any = None  # the transport its lanes write into, or None (see the class docstring)
+        self._lanes: list[Lane] = []
 
     @property
     def done(self) -> bool:
@@ -201,6 +219,7 @@ class EventWriter:
     def gather(self) -> None:
         """Write the pieces made in one turn of the event loop as one chunk (see the class docstring)."""
         self._gathering = True
+        self._tell(None)
 
     def write(self, data: bytes) -> None:
         """A piece's events, in order after everything written before."""
@@ -224,6 +243,7 @@ class EventWriter:
         body = self._body
         if body is not None and not self._waiting and body.write_now(data):
             return
+        self._tell(None)  # until pour has written what waits
         self._waiting.append(data)
         self._signal()
 
@@ -235,6 +255,7 @@ class EventWriter:
     def finish(self, last: bytes) -> None:
         """The answer's last events (after everything written before, with the end of the body)."""
         if self.last is None:
+            self._forget_lanes()
             gathered, self._gathered = self._gathered, None
             if gathered:  # before the last events, with whatever waits
                 self._waiting.append(b"".join(gathered))
@@ -256,9 +277,26 @@ class EventWriter:
         """Nothing more is written (the client left, or the response ended)."""
         if self.last is None:
             self.last = b""
+        self._forget_lanes()
         self._waiting.clear()
         self._gathered = None
         self._body = None
+
+    def add_lane(self, lane: Lane) -> None:
+        """Tell ``lane`` the transport it may write into, now and whenever that changes, until the answer ends."""
+        if self.last is None:
+            self._lanes.append(lane)
+            lane.direct = self._direct
+
+    def _tell(self, transport: Any) -> None:
+        if transport is not self._direct:
+            self._direct = transport
+            for lane in self._lanes:
+                lane.direct = transport
+
+    def _forget_lanes(self) -> None:
+        self._tell(None)
+        self._lanes = []
 
     def _signal(self) -> None:
         wake = self._wake
@@ -299,6 +337,8 @@ class EventWriter:
                     waiting.popleft()
             if self.last is not None:
                 return self.last
+            if body is not None and not self._gathering:
+                self._tell(body.transport)  # nothing waits: the next pieces may go straight in (see the class)
             await self._wait()
 
 
