@@ -31,11 +31,13 @@ def script_fixture(fixture: str, module: str, file: str) -> Any:
     return loaded
 
 
-def run_script(file: str, *argv: str, timeout: float = 600, env: dict[str, str] | None = None) -> Ended:
+def run_script(file: str, *argv: str, timeout: float = 300, env: dict[str, str] | None = None) -> Ended:
     """``python benchmarks/FILE ARGV`` in a child forked from this process, which has imported torch already: a fresh
     interpreter spends ~2 CPU-s on that import, more than a smoke run's own work (:func:`tests.forked.run_scripts`;
     the child runs the exit functions the script registered, its scratch directory's removal). ``env``: variables
-    read while the script runs (``TMPDIR``). One still running after ``timeout`` seconds is killed. Where this
+    read while the script runs (``TMPDIR``). One still running after ``timeout`` seconds is killed, and the test then
+    fails on what it printed: the default stays below the suite's 360-s test limit, past which a hung script's
+    output was lost (a host-ceiling sweep that hung in a warm suite here). Where this
     process has CUDA up, which a forked child cannot use, the script runs in a fresh interpreter instead."""
     script = BENCHMARKS / file
     torch = sys.modules.get("torch")
