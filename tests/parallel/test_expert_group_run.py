@@ -35,11 +35,15 @@ PROMPTS = [f"Elastic {i}: the quick brown fox jumps over {i} lazy dogs" for i in
 TOKENS = 20
 
 
-async def until(holds: Callable[[], bool], stack: RunStack, timeout: float = 60) -> None:
-    """Poll ``holds`` until it does, failing with the run's output past ``timeout``."""
+async def until(holds: Callable[[], bool], stack: RunStack, logs: Path, timeout: float = 60) -> None:
+    """Poll ``holds`` until it does, failing past ``timeout`` with the run's output and each engine log's end (the
+    run's own output is mostly its stats lines: a rank that never joined says why in its log)."""
     deadline = time.monotonic() + timeout
     while not holds():
-        assert time.monotonic() < deadline, stack.output()[-3000:]
+        if time.monotonic() >= deadline:
+            ends = "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-1500:]}"
+                           for log in sorted(logs.glob("engine-*.log")))
+            raise AssertionError(f"{stack.output()[-2000:]}{ends}")
         await asyncio.sleep(0.1)
 
 
@@ -93,7 +97,7 @@ async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out_a
         os.kill(ranks[killed], signal.SIGKILL)
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
         assert [o.tokens for o in outcomes] == [q.tokens for q in quiet], [o.error for o in outcomes]
-        await until(lambda: said(stack, logs, joined) > seen[joined], stack, 120)
+        await until(lambda: said(stack, logs, joined) > seen[joined], stack, logs, 120)
         await stack.wait_engines(3, timeout=120)
         again = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
         left = [r for r in range(3) if r != killed]
@@ -108,7 +112,7 @@ async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out_a
         assert "scale_ep" in await asyncio.to_thread(stack.control, "scale-ep", "--size", "2")
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 300)
         assert [o.tokens for o in outcomes] == [q.tokens for q in quiet], [o.error for o in outcomes]
-        await until(lambda: said(stack, logs, LEFT) > seen[LEFT], stack)
+        await until(lambda: said(stack, logs, LEFT) > seen[LEFT], stack, logs)
         await stack.wait_engines(2, timeout=60)
         assert again[2] not in stack.children()["engine"]
         assert "expert-parallel group 0: 2 of 2 wanted ranks connected (0, 1;" in stack.control("status")
@@ -116,7 +120,7 @@ async def test_a_lost_rank_restarts_alone_and_joins_and_scale_ep_takes_one_out_a
         assert [s.tokens for s in smaller] == [q.tokens for q in quiet]
 
         assert "scale_ep" in stack.control("scale-ep", "--size", "3")  # run starts rank 2 again: it joins
-        await until(lambda: said(stack, logs, BACK) > seen[BACK], stack)
+        await until(lambda: said(stack, logs, BACK) > seen[BACK], stack, logs)
         await stack.wait_engines(3, timeout=120)
         assert {r: p for r, p in ((data_parallel_rank(p), p) for p in stack.children()["engine"]) if r < 2} == \
             {r: again[r] for r in (0, 1)}  # the two served on
