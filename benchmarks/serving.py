@@ -294,28 +294,31 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
 
 
 def start_stack(model_dir: str, engines: int, run_args: str) -> tuple[subprocess.Popen, str, Path]:
-    """``megatron-serve run`` in its own session; returns it, its URL and its output file."""
-    from megatron_serve.fleet.local_fleet import free_port  # noqa: PLC0415 - a client-side run imports no runtime
+    """``megatron-serve run`` in its own session; returns it, its URL and its output file. It listens on a port the
+    kernel gives it (``--port 0``), read from the file it publishes for ``control``: a port picked free here and bound
+    later by the run could be taken meanwhile by another stack on the machine, which this would then measure."""
+    from megatron_serve.commands.local_runs import RUN_FILE, runs_dir  # noqa: PLC0415 - no runtime for a client
 
-    port = free_port("127.0.0.1")
     log_dir = scratch_dir("bench-serving-")
     output = log_dir / "run.out"
     with open(output, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", "run", "--model", model_dir,
-                                 "--port", str(port), "--coordinator-port", "0", "--engines", str(engines),
+                                 "--port", "0", "--coordinator-port", "0", "--engines", str(engines),
                                  "--log-dir", str(log_dir), *shlex.split(run_args)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={k: v for k, v in os.environ.items()
                                                              if k != "MEGATRON_SERVE_API_KEY"})
-    url = f"http://127.0.0.1:{port}"
+    published = runs_dir() / str(proc.pid) / RUN_FILE  # the run's environment is this process's
+    url = None
     deadline = time.monotonic() + 600
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"megatron-serve run exited ({proc.returncode}):\n{output.read_text()}")
         try:
+            url = url or json.loads(published.read_text())["endpoint"].removesuffix("/v1")
             if httpx.get(f"{url}/ready", timeout=2, verify=False).status_code == 200:  # plain HTTP: no CA bundle
                 return proc, url, output
-        except httpx.TransportError:
+        except (OSError, ValueError, httpx.TransportError):  # not published yet, or not listening yet
             pass
         if time.monotonic() > deadline:
             proc.kill()

@@ -18,14 +18,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
-from tests.helpers import free_port, http_get, poll_ready
+from tests.helpers import http_get, poll_ready
 
 
 @dataclass
@@ -137,6 +137,24 @@ class RunStack:
         return {engine["info"].get("pid") for engine in engines} <= set(self.children()["engine"])
 
 
+def published_url(tmp: Path, pid: int, timeout: float, dead: Callable[[], str | None], late: Callable[[], str]) -> str:
+    """The HTTP URL of run ``pid`` started with :func:`run_environment` ``(tmp)``, from the file it publishes for
+    ``control`` once its ports are bound; waits for it as :func:`~tests.helpers.poll_ready` waits."""
+    published = tmp / "megatron-serve" / str(pid) / RUN_FILE
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(published.read_text())["endpoint"].removesuffix("/v1")
+        except (OSError, ValueError):  # not published yet (the file is written aside and renamed: whole or absent)
+            pass
+        reason = dead()
+        if reason is not None:
+            raise AssertionError(reason)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {pid} published no URL within {timeout:g}s: {late()}")
+        time.sleep(0.1)
+
+
 def run_environment(tmp: Path) -> dict[str, str]:
     """This process's environment for a command of its own under ``tmp``: its TMPDIR and XDG_RUNTIME_DIR (where a run
     publishes itself for ``control``), and no ``MEGATRON_SERVE_COORDINATOR`` inherited from the caller."""
@@ -148,15 +166,18 @@ def run_environment(tmp: Path) -> dict[str, str]:
 def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout_after: int | None = None,
               api_key: str | None = None) -> RunStack:
     """``megatron-serve run`` as a user starts it; ``close_stdout_after``: read that many lines, then close the
-    pipe (as ``run ... | head -2`` does); ``api_key``: the one ``extra`` sets. Returns once ``/ready`` answers 200."""
+    pipe (as ``run ... | head -2`` does); ``api_key``: the one ``extra`` sets. Returns once ``/ready`` answers 200.
+
+    It listens on a port the kernel gives it (``--port 0``), read from the file it publishes for ``control``: a port
+    picked free here and bound later by the run could meanwhile be taken by another test's stack (a socket bound
+    but not listening does not stop a second bind), and this test would then talk to that stack."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     log = tmp / "run.log"
     env = run_environment(tmp)
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--engines", str(engines),
-             "--port", str(port), "--coordinator-port", "0", "--num-kv-blocks", "256", "--max-requests", "64",
+             "--port", "0", "--coordinator-port", "0", "--num-kv-blocks", "256", "--max-requests", "64",
              "--log-level", "INFO", *extra],
             stdout=subprocess.PIPE if close_stdout_after else err, stderr=err, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)
@@ -164,12 +185,15 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
         for _ in range(close_stdout_after):
             proc.stdout.readline()
         proc.stdout.close()
-    url = f"http://127.0.0.1:{port}"
-    stack = RunStack(proc, url, model="", log=log, tmp=tmp, env=env)
-    poll_ready(url, 300, lambda: None if proc.poll() is None else
-               f"run exited with {proc.returncode}: {stack.output()[-3000:]}", lambda: stack.output()[-3000:])
+    stack = RunStack(proc, "", model="", log=log, tmp=tmp, env=env)
+
+    def dead() -> str | None:
+        return None if proc.poll() is None else f"run exited with {proc.returncode}: {stack.output()[-3000:]}"
+
+    stack.url = published_url(tmp, proc.pid, 300, dead, lambda: stack.output()[-3000:])
+    poll_ready(stack.url, 300, dead, lambda: stack.output()[-3000:])
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    stack.model = http_get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    stack.model = http_get(f"{stack.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     return stack
 
 
