@@ -164,9 +164,11 @@ async def run_in_pulses(pids: list[int], predicate: Callable[[], bool], what: st
 
 
 def signal_processes(pids: list[int], number: signal.Signals) -> None:
-    """Signal ``number`` to each of ``pids`` (SIGCONT: engines :func:`run_in_pulses` left stopped)."""
+    """Signal ``number`` to each of ``pids`` (SIGCONT: engines :func:`run_in_pulses` left stopped) that still exists:
+    one that a test killed among them may already be reaped (a CI run here continued a list holding its victim)."""
     for pid in pids:
-        os.kill(pid, number)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, number)
 
 
 async def while_held(pids: list[int], verb: Awaitable[T], held: Callable[[], Any]) -> T:
