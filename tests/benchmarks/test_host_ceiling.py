@@ -20,7 +20,7 @@ def test_a_tiny_sweep_prints_each_level_by_process_and_stage(tmp_path):
     result = run_script("host_ceiling.py", "--concurrency", "2", "--api-servers", "1,2", "--requests", "16",
                         "--output-tokens", "8", "--prompt-words", "4", "--n", "2", "--vocab-size", "4096", "--rate",
                         "100", "--json", env={"TMPDIR": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the model, the logs and py-spy's files went with the scratch directory (the engines' torch caches stay)
     assert not list(tmp_path.glob("bench-*")), list(tmp_path.iterdir())
     levels = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
