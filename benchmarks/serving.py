@@ -297,7 +297,7 @@ def start_stack(model_dir: str, engines: int, run_args: str) -> tuple[subprocess
     """``megatron-serve run`` in its own session; returns it, its URL and its output file. It listens on a port the
     kernel gives it (``--port 0``), read from the file it publishes for ``control``: a port picked free here and bound
     later by the run could be taken meanwhile by another stack on the machine, which this would then measure."""
-    from megatron_serve.commands.local_runs import RUN_FILE, runs_dir  # noqa: PLC0415 - no runtime for a client
+    from megatron_serve.commands.local_runs import live_runs  # noqa: PLC0415 - no runtime for a client
 
     log_dir = scratch_dir("bench-serving-")
     output = log_dir / "run.out"
@@ -308,17 +308,17 @@ def start_stack(model_dir: str, engines: int, run_args: str) -> tuple[subprocess
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={k: v for k, v in os.environ.items()
                                                              if k != "MEGATRON_SERVE_API_KEY"})
-    published = runs_dir() / str(proc.pid) / RUN_FILE  # the run's environment is this process's
     url = None
     deadline = time.monotonic() + 600
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"megatron-serve run exited ({proc.returncode}):\n{output.read_text()}")
+        # where `control` finds it (the run's environment is this process's): published once its ports are bound
+        url = url or next((run.endpoint.removesuffix("/v1") for run in live_runs() if run.pid == proc.pid), None)
         try:
-            url = url or json.loads(published.read_text())["endpoint"].removesuffix("/v1")
-            if httpx.get(f"{url}/ready", timeout=2, verify=False).status_code == 200:  # plain HTTP: no CA bundle
+            if url and httpx.get(f"{url}/ready", timeout=2, verify=False).status_code == 200:  # plain HTTP: no CA
                 return proc, url, output
-        except (OSError, ValueError, httpx.TransportError):  # not published yet, or not listening yet
+        except httpx.TransportError:  # not listening yet
             pass
         if time.monotonic() > deadline:
             proc.kill()

@@ -57,23 +57,34 @@ def http_post(url: str, **kwargs: Any) -> httpx.Response:
     return httpx.post(url, verify=False, **kwargs)
 
 
-def poll_ready(url: str, timeout: float, dead: Callable[[], str | None], late: Callable[[], str],
-               interval: float = 0.2) -> None:
-    """Poll ``url``/ready until it answers 200. ``dead()`` says why the server can no longer come up (its process
-    exited), or None; the wait fails with that at once, or with ``late()`` once ``timeout`` seconds have passed."""
+def poll(fetch: Callable[[], T | None], timeout: float, dead: Callable[[], str | None], late: Callable[[], str],
+         interval: float = 0.2) -> T:
+    """Call ``fetch`` until it returns something (None: not yet), and return that. ``dead()`` says why it never will
+    (a process exited), or None; the wait fails with that at once, or with ``late()`` once ``timeout`` seconds have
+    passed."""
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            if http_get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+        found = fetch()
+        if found is not None:
+            return found
         reason = dead()
         if reason is not None:
             raise AssertionError(reason)
         if time.monotonic() > deadline:
             raise AssertionError(late())
         time.sleep(interval)
+
+
+def poll_ready(url: str, timeout: float, dead: Callable[[], str | None], late: Callable[[], str],
+               interval: float = 0.2) -> None:
+    """Poll ``url``/ready until it answers 200, as :func:`poll` waits."""
+    def ready() -> bool | None:
+        try:
+            return http_get(f"{url}/ready", timeout=2).status_code == 200 or None
+        except httpx.TransportError:
+            return None
+
+    poll(ready, timeout, dead, late, interval)
 
 
 def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:

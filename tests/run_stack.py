@@ -18,14 +18,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
-from tests.helpers import http_get, poll_ready
+from tests.helpers import http_get, poll, poll_ready
 
 
 @dataclass
@@ -93,12 +93,16 @@ class RunStack:
 
     def _published(self) -> Path:
         """The run's directory where ``control`` finds it (``$XDG_RUNTIME_DIR/megatron-serve/<pid>``)."""
-        (directory,) = [p for p in (self.tmp / "megatron-serve").iterdir() if (p / RUN_FILE).exists()]
-        return directory
+        return self.tmp / "megatron-serve" / str(self.proc.pid)
+
+    def published(self) -> dict[str, Any]:
+        """What the run published for ``control`` once its ports were bound (its coordinator, its endpoint...);
+        ``OSError`` before (the file is written aside and renamed: whole or absent)."""
+        return json.loads((self._published() / RUN_FILE).read_text())
 
     def coordinator(self) -> str:
         """The coordinator's address, from the file the run published for ``control``."""
-        return json.loads((self._published() / RUN_FILE).read_text())["coordinator"]
+        return self.published()["coordinator"]
 
     def secret(self) -> str:
         """The run's fleet secret, from its private run directory (as ``control`` reads it)."""
@@ -137,24 +141,6 @@ class RunStack:
         return {engine["info"].get("pid") for engine in engines} <= set(self.children()["engine"])
 
 
-def published_url(tmp: Path, pid: int, timeout: float, dead: Callable[[], str | None], late: Callable[[], str]) -> str:
-    """The HTTP URL of run ``pid`` started with :func:`run_environment` ``(tmp)``, from the file it publishes for
-    ``control`` once its ports are bound; waits for it as :func:`~tests.helpers.poll_ready` waits."""
-    published = tmp / "megatron-serve" / str(pid) / RUN_FILE
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return json.loads(published.read_text())["endpoint"].removesuffix("/v1")
-        except (OSError, ValueError):  # not published yet (the file is written aside and renamed: whole or absent)
-            pass
-        reason = dead()
-        if reason is not None:
-            raise AssertionError(reason)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {pid} published no URL within {timeout:g}s: {late()}")
-        time.sleep(0.1)
-
-
 def run_environment(tmp: Path) -> dict[str, str]:
     """This process's environment for a command of its own under ``tmp``: its TMPDIR and XDG_RUNTIME_DIR (where a run
     publishes itself for ``control``), and no ``MEGATRON_SERVE_COORDINATOR`` inherited from the caller."""
@@ -190,7 +176,13 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
     def dead() -> str | None:
         return None if proc.poll() is None else f"run exited with {proc.returncode}: {stack.output()[-3000:]}"
 
-    stack.url = published_url(tmp, proc.pid, 300, dead, lambda: stack.output()[-3000:])
+    def endpoint() -> str | None:
+        try:
+            return stack.published()["endpoint"].removesuffix("/v1")
+        except OSError:  # not published yet
+            return None
+
+    stack.url = poll(endpoint, 300, dead, lambda: f"run {proc.pid} published no URL: {stack.output()[-3000:]}", 0.1)
     poll_ready(stack.url, 300, dead, lambda: stack.output()[-3000:])
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     stack.model = http_get(f"{stack.url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]

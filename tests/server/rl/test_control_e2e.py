@@ -24,7 +24,7 @@ API_KEY, ADMIN_KEY = "inference-key", "admin-key"
 API = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 #: Far more than a stream runs before a verb catches it: the engine runs in pulses until every stream has its first
-#: tokens and is stopped until the verb reaches the fleet (tests/helpers.py run_in_pulses)
+#: tokens, and again from the verb's arrival at the fleet until its answer (tests/helpers.py run_in_pulses, while_held)
 TOKENS = 300
 
 
