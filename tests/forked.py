@@ -26,6 +26,8 @@ import multiprocessing.process
 import os
 import runpy
 import select
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -151,9 +153,42 @@ def _join(procs: list[multiprocessing.process.BaseProcess], timeout: float | Non
         for sentinel in ended:
             running.pop(sentinel).join()
     for proc in running.values():
+        print(stacks_of_tree(proc.pid), file=sys.stderr)  # the test's captured stderr: where each process was held
         proc.kill()
         proc.join()
     return len(running)
+
+
+def stacks_of_tree(pid: int) -> str:
+    """``py-spy dump`` of ``pid`` and every process under it (a hung script's stack, and its stack's servers'): what a
+    time-out kills would otherwise leave no trace of where it waited. Native frames for ``pid`` itself, where a lock
+    inherited at the fork would hold it."""
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if spy is None:
+        return f"(py-spy not installed: no stacks of process {pid} and its children)"
+    dumps = []
+    for member in _tree(pid):
+        command = [spy, "dump", "--pid", str(member), *(["--native"] if member == pid else [])]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            dumps.append(f"--- py-spy dump of {member} (rc {done.returncode})\n{done.stdout}{done.stderr}")
+        except subprocess.TimeoutExpired:
+            dumps.append(f"--- py-spy dump of {member}: no answer in 30 s")
+    return "\n".join(dumps)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first (``/proc``'s children lists; gone ones skipped)."""
+    members, index = [pid], 0
+    while index < len(members):
+        tasks = Path(f"/proc/{members[index]}/task")
+        index += 1
+        try:
+            for task in tasks.iterdir():
+                members.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return members
 
 
 def _script_main(script: str, argv: list[str], env: dict[str, str], out: str | None, err: str) -> None:

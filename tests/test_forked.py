@@ -69,14 +69,30 @@ def test_a_script_ends_as_a_process_with_its_own_exit_functions_and_none_of_the_
     assert not parents.exists()
 
 
-def test_a_script_past_its_time_out_is_killed(tmp_path: Path):
+HANGING = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+def held_here():
+    time.sleep(120)
+held_here()
+"""
+
+
+def test_a_script_past_its_time_out_is_killed_and_its_stacks_shown(tmp_path: Path, capfd: pytest.CaptureFixture):
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
+    script.write_text(HANGING)
     started = time.monotonic()
-    (ended,) = run_scripts(script, [[]], {"MARK": str(tmp_path / "mark"), "WHO": "x", "SLEEP_S": "60"}, 1,
-                           via="fork")
-    assert ended.returncode == -signal.SIGKILL
-    assert time.monotonic() - started < 30
+    (ended,) = run_scripts(script, [[]], {}, 5, via="fork")
+    child = int(ended.stdout.split()[0])
+    try:
+        assert ended.returncode == -signal.SIGKILL
+        assert time.monotonic() - started < 90
+        shown = capfd.readouterr().err  # the failing test's report shows where the script and its process waited
+        assert "held_here (script.py:6)" in shown, shown
+        assert f"py-spy dump of {child} " in shown and "<module> (<string>:1)" in shown, shown
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_one_environment_per_argv_or_a_refusal_naming_it(tmp_path: Path):
