@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -153,7 +154,9 @@ def _join(procs: list[multiprocessing.process.BaseProcess], timeout: float | Non
         for sentinel in ended:
             running.pop(sentinel).join()
     for proc in running.values():
-        print(stacks_of_tree(proc.pid), file=sys.stderr)  # the test's captured stderr: where each process was held
+        # the test's captured stderr: where each process was held, and the threads of this process it was forked from
+        # (a lock one of them held at the fork stays held in the child)
+        print(f"this process's threads: {_thread_names()}\n{stacks_of_tree(proc.pid)}", file=sys.stderr)
         proc.kill()
         proc.join()
     return len(running)
@@ -175,6 +178,12 @@ def stacks_of_tree(pid: int) -> str:
         except subprocess.TimeoutExpired:
             dumps.append(f"--- py-spy dump of {member}: no answer in 30 s")
     return "\n".join(dumps)
+
+
+def _thread_names() -> str:
+    names = sorted(thread.name for thread in threading.enumerate())
+    native = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else "?"
+    return f"{native} native, Python's: {', '.join(names)}"
 
 
 def _tree(pid: int) -> list[int]:

@@ -89,7 +89,7 @@ def test_a_script_past_its_time_out_is_killed_and_its_stacks_shown(tmp_path: Pat
         assert ended.returncode == -signal.SIGKILL
         assert time.monotonic() - started < 90
         shown = capfd.readouterr().err  # the failing test's report shows where the script and its process waited
-        assert "held_here (script.py:6)" in shown, shown
+        assert "held_here (script.py:6)" in shown and "this process's threads: " in shown, shown
         assert f"py-spy dump of {child} " in shown and "<module> (<string>:1)" in shown, shown
     finally:
         os.kill(child, signal.SIGKILL)
