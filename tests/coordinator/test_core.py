@@ -58,6 +58,24 @@ def test_requests_are_dispatched_finished_once_and_forgotten_on_ack():
     assert h.core.flow.table.get("c1/r0") is None and len(h.core.flow.table) == 2
 
 
+def test_a_submit_carries_acknowledgements_which_are_read_before_its_request():
+    """Protocol 10: ``SUBMIT``'s ``acks`` forget those results first, so a finished request's id may be used again at
+    once for a new request (read after it, the submit would count as that finished one's resubmission)."""
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    submit(h, "r0")
+    submitted = h.take(E1, Header.ENGINE_SUBMIT)[0].request
+    step(h, E1, e1, "c1/r0", [5], finished=True, record=final_record(submitted, [5]))
+    assert [r.client_request_id for r in h.take(C, Header.RESULT)] == ["r0"]
+    params = msgspec.Raw(msgspec.msgpack.encode({"num_tokens_to_generate": 2}))
+    h.send(C, Header.SUBMIT, Submit(client_request_id="r0", prompt=[4], sampling_params=params, acks=["r0", "r9"]))
+    assert h.take(C, Header.RESULT) == []  # not delivered again: a new request
+    again = h.take(E1, Header.ENGINE_SUBMIT)
+    assert [(r.request["request_id"], r.request["prompt_tokens"]) for r in again] == [("c1/r0", [4])]
+    assert len(h.core.flow.table) == 1
+
+
 def test_a_lost_engine_hands_its_requests_to_another_which_continues_from_the_mirrored_tokens():
     h = CoreHarness()
     h.client(C)

@@ -57,6 +57,8 @@ class RequestFlow:
     # ------------------------------------------------------------------ from clients
 
     def on_submit(self, client: ClientRecord, identity: bytes, body: Submit, now: float) -> None:
+        if body.acks:  # protocol 10: the results the client acknowledges ride with its next request
+            self.forget_acked(client, body.acks)
         crid = body.client_request_id
         key = f"{client.client_id}/{crid}"
         record = self.table.get(key)
@@ -108,7 +110,11 @@ class RequestFlow:
             self.abort(record, "aborted by the client")
 
     def on_result_ack(self, client: ClientRecord, body: ResultAck) -> None:
-        for crid in body.client_request_ids:
+        self.forget_acked(client, body.client_request_ids)
+
+    def forget_acked(self, client: ClientRecord, client_request_ids: list[Any]) -> None:
+        """Forget the finished requests whose RESULTs ``client`` acknowledged (an unfinished one is kept)."""
+        for crid in client_request_ids:
             record = self.table.get(f"{client.client_id}/{crid}")
             if record is not None and record.phase is Phase.FINISHED:
                 self.forget(record)

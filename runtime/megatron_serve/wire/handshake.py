@@ -21,7 +21,10 @@ Version 8 moves a finished request's final record out of its ``ENGINE_STEP`` del
 coordinator refuses an engine below 8 (:data:`ENGINE_PROTOCOL`) with a message naming both versions, since the
 records it sent would go unread. Version 9 adds ``ENGINE_STEP``'s ``plain_ids``: the request ids of the step's
 leading plain deltas, which the coordinator files and forwards without reading them; a coordinator reads every delta
-of a step without them (an engine of 8), and an older coordinator ignores them.
+of a step without them (an engine of 8), and an older coordinator ignores them. Version 10 adds ``SUBMIT``'s ``acks``:
+the RESULTs a client acknowledges, carried by its next request instead of a ``RESULT_ACK`` message beside it; a client
+puts them there only for a coordinator of 10 or later (:data:`SUBMIT_ACKS_PROTOCOL`), and sends ``RESULT_ACK`` to an
+older one.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ import msgspec
 from .body import Body, ClientId
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 #: The oldest protocol a coordinator registers an engine of: 8 moved a finished request's record out of its last
 #: delta (a record there would be lost), so an older engine is refused by name.
 ENGINE_PROTOCOL = 8
 #: The lowest version whose peers may submit to each other: from 6 on every token travels in ``STEP_TOKENS``
 #: (and from 4 on the client makes the text).
 SUBMIT_PROTOCOL = 6
+#: The lowest coordinator version that reads the acknowledgements a ``SUBMIT`` carries (``acks``).
+SUBMIT_ACKS_PROTOCOL = 10
 
 
 class Hello(Body):

@@ -35,6 +35,8 @@ class Submit(Body):
     kept_ids: int | None = None  # with them: the kept ids (return_top_p_token_ids) they came with, still counted
     images: list[WireImage] | None = None  # one per image placeholder of the prompt, in order
     placement: Placement | None = None  # protocol 7: its session and data-parallel rank (wire.placement)
+    # protocol 10: RESULTs that arrived (a RESULT_ACK's ids), riding here instead of in a message of their own
+    acks: list[ClientId] | None = None
 
 
 class Result(Body):
