@@ -22,10 +22,14 @@ per token (Qwen3-30B-A3B's proportions, scaled down).
     python benchmarks/offline_throughput.py --repeats 3          # each side three times in turn, best of each
     python benchmarks/offline_throughput.py --temperature 1 --top-p 0.9 --n 8 --requests 8
     python benchmarks/offline_throughput.py --rl --requests 8
-    python benchmarks/offline_throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --hf-modes dynamic
+    python benchmarks/offline_throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --hf-modes static,compiled \
+        --hf-batch-size 8,16,32 --requests 32
 
-``--model`` runs a real model instead (a directory, or a GGUF file: the engine dequantizes it at load, and
-``transformers`` loads the same file with ``gguf_file=``); the prompts stay random token ids.
+``--model`` runs a real model instead (a directory, or a GGUF file); the prompts stay random token ids. A GGUF file:
+the engine dequantizes it at load, and ``transformers`` loads the same weights dequantized to float32 as a plain
+checkpoint (:func:`float32_checkpoint`), as a user who wants it at its best would; ``--hf-gguf-file`` has it load the
+file its own way instead (``gguf_file=``, the reference the parity tests hold the engine to).
+``--hf-batch-size`` takes several sizes (comma-separated): each mode runs at each, and the best of all is its best.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ from pathlib import Path
 import msgspec
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model.gguf.tensors import gguf_tensors
+from megatron_serve.model.gguf.view import WEIGHTS_LINK
 from megatron_serve.model.hub import resolve_model
 from megatron_serve.model.tiny import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
 
@@ -100,6 +107,18 @@ def run_megatron(model_dir: str, warmup, requests, max_requests: int, params: Sa
 
 
 HF_MODES = ("dynamic", "static", "compiled")
+
+
+def float32_checkpoint(model_dir: Path, into: Path) -> Path:
+    """A plain float32 checkpoint in ``into`` of the GGUF file's directory ``model_dir`` (:func:`resolve_model`'s):
+    its ``config.json`` and every tensor as the engine's loader reads it (dequantized to float32 under its Hugging
+    Face name, llama.cpp's query and key rows put back), so ``transformers`` computes with the engine's very
+    weights and none of the work its own GGUF load would add."""
+    into.mkdir()
+    (into / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    save_file({name: weight.contiguous() for name, weight in gguf_tensors(model_dir / WEIGHTS_LINK)},
+              str(into / "model.safetensors"), metadata={"format": "pt"})
+    return into
 
 
 def load_transformers(source: str) -> transformers.PreTrainedModel:
@@ -168,9 +187,13 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", default="16",
+                        help="transformers' batch size, or several comma-separated: each mode at each")
     parser.add_argument("--hf-modes", default=",".join(HF_MODES),
                         help=f"transformers' modes to time, comma-separated ({', '.join(HF_MODES)})")
+    parser.add_argument("--hf-gguf-file", action="store_true",
+                        help="a GGUF --model: transformers loads the file itself (gguf_file=), not its float32 "
+                             "checkpoint")
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="sample (> 0): compared with greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -186,11 +209,20 @@ def main() -> None:
     if unknown or not hf_modes:
         parser.error(f"--hf-modes: unknown mode(s) {', '.join(unknown) or '(none given)'}; "
                      f"choose from {', '.join(HF_MODES)}")
+    try:
+        batch_sizes = [int(size) for size in args.hf_batch_size.split(",") if size]
+    except ValueError:
+        batch_sizes = []
+    if not batch_sizes or min(batch_sizes) < 1:
+        parser.error(f"--hf-batch-size: expected positive integers, comma-separated, not {args.hf_batch_size!r}")
     sampled_params = sampling(args)
     name = Path(args.model).name if args.model else args.arch
     with tempfile.TemporaryDirectory() as tmp:
         source = args.model or str(make_tiny_model(tmp, seed=0, **model_shape(args)))
         model_dir = str(resolve_model(source))
+        gguf_file = Path(source).suffix == ".gguf"
+        if gguf_file and not args.hf_gguf_file:
+            source = str(float32_checkpoint(Path(model_dir), Path(tmp) / "float32"))
         hf = load_transformers(source)
         params = sum(p.numel() for p in hf.parameters())
         experts = getattr(hf.config, "_experts_implementation", None)  # transformers' MoE path (grouped_mm or eager)
@@ -214,25 +246,29 @@ def main() -> None:
                   f"{sampled:>10.2f}{useful / sampled:>12.1f}{sampled_cpu:>10.2f}")
             print(f"sampled/greedy throughput: {greedy / sampled:.3f} (wall), {greedy_cpu / sampled_cpu:.3f} (CPU time)")
             return
-        timed: dict[str, list[tuple[float, float]]] = {"engine": [], **{mode: [] for mode in hf_modes}}
+        arms = [(mode, size) for mode in hf_modes for size in batch_sizes]
+        timed: dict[object, list[tuple[float, float]]] = {"engine": [], **{arm: [] for arm in arms}}
         for _ in range(args.repeats):  # each side in turn, best of each: as the sampled runs above
             timed["engine"].append(run_megatron(model_dir, warmup, requests, args.max_requests))
-            for mode in hf_modes:
-                timed[mode].append(run_transformers(source, requests, args.hf_batch_size, mode))
+            for mode, size in arms:
+                timed[mode, size].append(run_transformers(source, requests, size, mode))
         ours, ours_cpu = best_of(timed["engine"])
-        theirs = {mode: best_of(timed[mode]) for mode in hf_modes}
+        theirs = {arm: best_of(timed[arm]) for arm in arms}
     print(f"model: {name}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}, best of {args.repeats}"
+          + (f", transformers from {'its GGUF load' if args.hf_gguf_file else 'the float32 checkpoint'}"
+             if gguf_file else "")
           + (f", transformers experts: {experts}" if experts else ""))
     print(f"{'engine':<48}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}{'CPU ms/tok':>12}")
     rows = [("megatron-serve (continuous batching)", ours, ours_cpu)]
-    rows += [(f"transformers generate (batch {args.hf_batch_size}, {mode})", *theirs[mode]) for mode in hf_modes]
+    rows += [(f"transformers generate (batch {size}, {mode})", *theirs[mode, size]) for mode, size in arms]
     for name, wall, cpu in rows:
         print(f"{name:<48}{wall:>10.2f}{useful / wall:>12.1f}{cpu:>10.2f}{1000 * cpu / useful:>12.3f}")
-    for mode in hf_modes:
-        wall, cpu = theirs[mode]
-        print(f"ratio to transformers {mode}: {wall / ours:.2f}x (wall), {cpu / ours_cpu:.2f}x (CPU time)")
-    if len(hf_modes) > 1:
+    for mode, size in arms:
+        wall, cpu = theirs[mode, size]
+        label = mode if len(batch_sizes) == 1 else f"{mode} batch {size}"
+        print(f"ratio to transformers {label}: {wall / ours:.2f}x (wall), {cpu / ours_cpu:.2f}x (CPU time)")
+    if len(arms) > 1:
         best_wall, best_cpu = min(wall for wall, _ in theirs.values()), min(cpu for _, cpu in theirs.values())
         print(f"ratio to transformers at its best: {best_wall / ours:.2f}x (wall), {best_cpu / ours_cpu:.2f}x (CPU time)")
 
