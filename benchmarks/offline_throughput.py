@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -178,6 +179,12 @@ def best_of(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return min(wall for wall, _ in runs), min(cpu for _, cpu in runs)
 
 
+def progress(arm: str, wall: float, cpu: float) -> None:
+    """One timed run's seconds on stderr as it ends: a sitting on a loaded shared machine can take an hour, and what
+    it measured before it is stopped is kept."""
+    print(f"{arm}: {wall:.2f} s, {cpu:.2f} CPU s", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a real model (a directory or a GGUF file) instead of a random one")
@@ -250,8 +257,10 @@ def main() -> None:
         timed: dict[object, list[tuple[float, float]]] = {"engine": [], **{arm: [] for arm in arms}}
         for _ in range(args.repeats):  # each side in turn, best of each: as the sampled runs above
             timed["engine"].append(run_megatron(model_dir, warmup, requests, args.max_requests))
+            progress("engine", *timed["engine"][-1])
             for mode, size in arms:
                 timed[mode, size].append(run_transformers(source, requests, size, mode))
+                progress(f"transformers {mode} batch {size}", *timed[mode, size][-1])
         ours, ours_cpu = best_of(timed["engine"])
         theirs = {arm: best_of(timed[arm]) for arm in arms}
     print(f"model: {name}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
