@@ -148,3 +148,34 @@ def test_streams_with_stop_strings_or_listings_take_whole_pieces(tokenizer, para
     sink = _Sink(texts=True)
     _stream(tokenizer, sink, tokens, **params)
     assert sink.texts == [] and len([item for item in sink.items if isinstance(item, StreamPartial)]) >= 20
+
+
+def test_a_run_of_plain_tokens_reads_as_the_detokenizer_s_text_whatever_reads_it_mid_run(tokenizer):
+    """A plain collector reads a run of tokens from the tokenizer's kept texts and hands the run to its detokenizer
+    only when something else reads it: a delta of several ids, the text, the tail, the result. Each of those, at
+    any point of a run, finds what the detokenizer would have made token by token."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        tokens = _ids(tokenizer, 300 + seed, 150)
+        collector = OutputCollector("r", PROMPT, SamplingParams(num_tokens_to_generate=len(tokens)), tokenizer)
+        shown = [collector.add(TokenDelta(new_tokens=tokens[:1], epochs=[[0], [0], [-1]])).new_text]
+        taken = 1
+        while taken < len(tokens):
+            if rng.random() < 0.08:  # a delta of two ids: the general way, maybe in the middle of a run
+                ids = tokens[taken:taken + 2]
+                shown.append(collector.add(TokenDelta(new_tokens=ids, epochs=[[1] * len(ids), [2] * len(ids),
+                                                                              [-1] * len(ids)])).new_text)
+                taken += len(ids)
+            else:
+                text = collector.add_plain(TokenDelta(new_tokens=[tokens[taken]], epochs=[[1], [2], [-1]]))
+                assert text is not None
+                shown.append(text)
+                taken += 1
+            if rng.random() < 0.1:
+                assert collector.text == tokenizer.decode(tokens[:taken])
+                assert collector.text.startswith("".join(shown))
+        tail = collector.tail()
+        shown.append("" if tail is None else tail.new_text)
+        result = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED))
+        assert "".join(shown) == result.generated_text == tokenizer.decode(tokens)
+        assert result.generated_tokens == tokens and len(result.policy_epochs) == len(tokens)

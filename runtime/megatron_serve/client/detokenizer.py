@@ -234,6 +234,28 @@ class IncrementalDetokenizer:
         self.extend([token])
         return self.take_new_text(final=False)
 
+    def plain_texts(self) -> tuple[dict[int, str], frozenset[int]] | None:
+        """What a run of plain tokens is read from outside (``OutputCollector.add_plain``): the texts this tokenizer
+        keeps by id and the ids that render as nothing, while a token may be read from them alone, as
+        :meth:`take_one`'s first way reads it (a concatenative tokenizer, no stop strings or token texts, nothing
+        pending or untaken); else None. Until :meth:`absorb` takes the run, nothing here has changed."""
+        if (self._texts is None or self.stop_words or self.ends is not None or self._read_offset != len(self._visible)
+                or self._sent_piece != len(self._done) or self.emitted != self._done_length):
+            return None
+        return self._texts, self._special
+
+    def absorb(self, tokens: list[int], text: str) -> None:
+        """Take ``tokens`` read from :meth:`plain_texts` since it was asked (each one's kept text, none of them
+        special or ending in an incomplete character; ``text``: those texts joined, all of it shown): the state
+        :meth:`take_one` leaves after taking each of them, made once for the run."""
+        visible, done = self._visible, self._done
+        visible.extend(tokens)
+        self._prefix_offset, self._read_offset = len(visible) - 1, len(visible)
+        self._seen += len(tokens)
+        done.append(text)
+        self._sent_piece = len(done)
+        self.emitted = self._sent_start = self._done_length = self._done_length + len(text)
+
     def _find_stop(self, text: str, word: str, checked: int) -> int:
         """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
         return text.find(word, max(0, max(checked, self._stop_floor) - len(word) + 1))

@@ -79,8 +79,9 @@ def _top_maps(ids: list[list[int]], log_probs: list[list[float]]) -> list[dict[i
 class OutputCollector:
     """One request's outputs as its deltas arrive; ``tokenizer=None`` makes no text (it stays empty)."""
 
+    # (a step reads every stream's: one object each)
     __slots__ = ("request_id", "prompt", "params", "prompt_tokens", "detokenizer", "listed", "out", "arrival_time",
-                 "first_token_time", "stopped", "plain")  # (a step reads every stream's: one object each)
+                 "first_token_time", "stopped", "plain", "_texts", "_special", "_run")
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  tokenizer: "Tokenizer | None", prompt_tokens: list[int] | None = None) -> None:
@@ -99,9 +100,17 @@ class OutputCollector:
         self.stopped = False  # a stop string ended it: later deltas are dropped
         # Its pieces are text alone, with nothing to list or hold back for a stop string: add_plain takes its deltas
         self.plain = self.detokenizer is not None and not params.stop_words and self.detokenizer.ends is None
+        # A plain stream's run of tokens read from the tokenizer's kept texts (add_plain): the texts and the ids that
+        # render as nothing while the run goes on (else None), and how many of the last tokens it holds, which the
+        # detokenizer takes at once when anything else reads it (_settle)
+        self._texts: dict[int, str] | None = None
+        self._special: frozenset[int] = frozenset()
+        self._run = 0
 
     @property
     def text(self) -> str:
+        if self._texts is not None:
+            self._settle()
         return "" if self.detokenizer is None else self.detokenizer.text
 
     @property
@@ -111,6 +120,8 @@ class OutputCollector:
     def add(self, delta: TokenDelta) -> StreamPartial:
         """Take one delta; the piece it adds to a stream (what is safe to show of the text, the tokens
         up to a stop string). :attr:`stopped` says whether a stop string ended the request in it."""
+        if self._texts is not None:
+            self._settle()
         if self.stopped:  # only the prompt's facts still count
             self.out.add_rest(delta, 0, self.request_id)
             return StreamPartial(self.request_id, [], "")
@@ -149,13 +160,38 @@ class OutputCollector:
     def add_plain(self, delta: TokenDelta) -> str | None:
         """Take one delta of a :attr:`plain` collector's stream (after its first token) that carries one id and its
         epochs alone, what most steps bring: the new text it adds (maybe empty), with no piece made. None, having
-        taken nothing, for any other delta (:meth:`add` takes it)."""
+        taken nothing, for any other delta (:meth:`add` takes it).
+
+        A token whose text the tokenizer keeps, after tokens that left nothing pending, is read here from those
+        texts (a run): its text is its own, and the detokenizer takes the run's tokens at once when something
+        else reads it (:meth:`_settle`). So a plain stream's token reads this collector, its accumulator and the
+        tokenizer's texts, not the detokenizer and its two lists (what it saves: docs/benchmarks.md, issue 84)."""
         if not self.plain or self.first_token_time is None:
             return None
         token = self.out.add_plain(delta)
         if token is None:
             return None
-        return self.detokenizer.take_one(token)
+        texts = self._texts
+        if texts is not None:
+            text = texts.get(token)
+            if text is not None and token not in self._special and not text.endswith("\ufffd"):
+                self._run += 1
+                return text
+            self._settle(after=1)
+        text = self.detokenizer.take_one(token)
+        if text:  # (not while a split character is pending, when it shows nothing) a run may begin with the next
+            self._texts, self._special = self.detokenizer.plain_texts() or (None, frozenset())
+        return text
+
+    def _settle(self, after: int = 0) -> None:
+        """The run's tokens to the detokenizer (:meth:`add_plain`), before anything else reads it; the run ends.
+        ``after``: ids kept since the run's last one (the one that ends it)."""
+        texts, run = self._texts, self._run
+        self._texts, self._run = None, 0
+        if run:
+            taken = self.out.tokens
+            tokens = taken[len(taken) - after - run:len(taken) - after]
+            self.detokenizer.absorb(tokens, "".join(map(texts.__getitem__, tokens)))
 
     def _list(self, piece: StreamPartial, final: bool) -> None:
         """Put in ``piece`` the listing of the tokens a log-prob listing may show now: those whose text was all sent
@@ -186,6 +222,8 @@ class OutputCollector:
 
     def tail(self) -> StreamPartial | None:
         """The text held back so far (a possible stop string's start, an unfinished character), at the end."""
+        if self._texts is not None:
+            self._settle()
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=True)
         piece = StreamPartial(self.request_id, [], text)
         self._list(piece, final=True)
