@@ -64,6 +64,9 @@ class FleetMonitor:
         self.ready_timeout = ready_timeout
         self.connect_grace = connect_grace
         self.status: dict[str, Any] | None = None
+        # What every generation request reads of the status (its engines' smallest context limit, their adapters),
+        # read once per status, with the status it was read from (see _facts)
+        self._read: tuple[dict[str, Any] | None, int | None, dict[str, str] | None] | None = None
         self.reachable = False
         self.busy = False  # the last poll timed out on a connection that still hears the coordinator
         self._refreshing: asyncio.Task | None = None
@@ -239,15 +242,26 @@ class FleetMonitor:
 
     def adapters(self) -> dict[str, str] | None:
         """The LoRA adapters the engines serve (name -> directory, all engines together); None when no engine
-        reports any (none started with LoRA, or none connected yet)."""
-        reports = [e["loras"] for e in self.engines if isinstance(e.get("loras"), dict)]
-        return None if not reports else {name: path for loras in reports for name, path in loras.items()}
+        reports any (none started with LoRA, or none connected yet). Not to be changed: it is kept (see _facts)."""
+        return self._facts()[2]
 
     def max_sequence_length(self) -> int | None:
         """The smallest context limit any engine reported (prompt + generation), if any did."""
-        limits = [e.get("info", {}).get("max_sequence_length") for e in self.engines]
-        limits = [int(x) for x in limits if isinstance(x, int) and not isinstance(x, bool) and x > 0]
-        return min(limits) if limits else None
+        return self._facts()[1]
+
+    def _facts(self) -> tuple[dict[str, Any] | None, int | None, dict[str, str] | None]:
+        """The status, its engines' smallest context limit and their adapters, read from the status once: a
+        generation request asks for them three to five times (its limits, its model's name, its adapter), each a
+        pass over every engine, while the status changes a few times a second at most (each poll is a new one)."""
+        status, read = self.status, self._read
+        if read is None or read[0] is not status:
+            engines = self.engines
+            limits = [e.get("info", {}).get("max_sequence_length") for e in engines]
+            limits = [int(x) for x in limits if isinstance(x, int) and not isinstance(x, bool) and x > 0]
+            reports = [e["loras"] for e in engines if isinstance(e.get("loras"), dict)]
+            adapters = None if not reports else {name: path for loras in reports for name, path in loras.items()}
+            read = self._read = (status, min(limits) if limits else None, adapters)
+        return read
 
     def totals(self) -> dict[str, int]:
         """Fleet-wide sums for the gauges of ``/metrics``."""
