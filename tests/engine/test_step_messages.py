@@ -15,7 +15,7 @@ from megatron_serve.engine.output import plain_first, step_bodies, step_messages
 from megatron_serve.engine.steps import StepOutput
 from megatron_serve.wire.frame_cuts import FRAME_ENTRIES
 from megatron_serve.wire.request import FinalRecord, RequestStatus
-from megatron_serve.wire.messages import TO_COORDINATOR, EngineStepOut, PromptScores, RequestDelta
+from megatron_serve.wire.messages import FROM_COORDINATOR, TO_COORDINATOR, EngineStepOut, PromptScores, RequestDelta
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode
 
 
@@ -89,3 +89,23 @@ def test_a_step_body_puts_its_plain_deltas_first_and_names_them():
     assert body.plain_ids == ["p0", "p1", "p2"]
     assert body.outputs == plain + [finished, scored_one, empty, kept]
     assert plain_first("e", plain, {}).outputs == plain  # all plain: as they came
+
+
+def test_a_step_sends_the_deltas_of_requests_with_a_client_in_that_client_s_share():
+    """Protocol 11: a request whose client the coordinator named travels in its client's share (a whole STEP_TOKENS
+    message, finished ones named), unless its delta is one the coordinator reads (here: prompt scores); the others
+    travel one by one as before."""
+    done = FinalRecord(request_id="a2", status=RequestStatus.COMPLETED)
+    outputs = [StepOutput("a1", [1], [], False), StepOutput("b1", [2], [], False),
+               StepOutput("a2", [3], [], True, final=done), StepOutput("loose", [4], [], False),
+               StepOutput("a3", [5], [], False, cached_tokens=0, prompt_scores=scored("x", 2).prompt_scores)]
+    routes = {"a1": ("ca", "x1"), "a2": ("ca", 7), "a3": ("ca", "x3"), "b1": ("cb", "y1")}
+    [body] = step_bodies("e", outputs, routes)
+    assert [d.request_id for d in body.outputs] == ["loose", "a3"] and body.plain_ids == ["loose"]
+    assert set(body.records) == {"a2"}
+    assert [(s.client_id, s.request_ids, s.finished) for s in body.shares] == [
+        ("ca", ["a1", "a2"], ["a2"]), ("cb", ["b1"], [])]
+    step_tokens = decode(body.shares[0].frame, FROM_COORDINATOR)
+    assert step_tokens.header is Header.STEP_TOKENS and step_tokens.body.client_request_ids == ["x1", 7]
+    assert [d.new_tokens for d in step_tokens.body.deltas] == [[1], [3]]
+    assert [b.shares for b in step_bodies("e", outputs)] == [[]]  # no routes: no shares

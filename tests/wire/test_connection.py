@@ -36,7 +36,7 @@ def test_hello_waits_for_a_connection_then_is_retried_with_backoff_until_answere
     sent = [t for t in (0.0, 0.05, 0.1, 0.2, 0.31, 0.7, 0.72, 1.6) if c.due(t)[0]]
     assert sent == [0.0, 0.1, 0.31, 0.72, 1.6]  # 0.1, 0.2, 0.4, 0.8 ... apart
     hello = decode(encode(Header.HELLO, c.hello), {Header.HELLO: dict}).body
-    assert hello["protocol"] == PROTOCOL_VERSION == 10 and hello["client_id"] == "c"
+    assert hello["protocol"] == PROTOCOL_VERSION == 11 and hello["client_id"] == "c"
     first = c.receive(ack(), 2.0)
     assert [m.header for m in first] == [Header.HELLO_ACK] and c.registered and c.session == 1
     assert c.receive(ack(), 2.1) == []  # the answer to a retried HELLO

@@ -22,13 +22,25 @@ class Assigned:
     Once dispatch has seen it, a request that leaves adds the engine's id to the set of engines whose load moved
     (:meth:`report_to`, :mod:`.candidates`): dispatch files those again, not every engine."""
 
-    __slots__ = ("_bands", "_counts", "_freed", "_owner")
+    __slots__ = ("_bands", "_by_client", "_clients", "_counts", "_freed", "_owner")
 
     def __init__(self) -> None:
         self._bands: dict[str, int] = {}
         self._counts = [0] * len(CLASSES)
         self._freed: set[str] | None = None
         self._owner = ""
+        self._clients: dict[str, str] = {}  # key -> client id, for the requests whose client the engine was told
+        self._by_client: dict[str, set[str]] = {}  # client id -> those keys
+
+    def name_client(self, key: str, client_id: str) -> None:
+        """The engine was told ``key``'s client (protocol 11): its deltas may come in that client's share of a step
+        (:meth:`of_client`). ``key`` is held."""
+        self._clients[key] = client_id
+        self._by_client.setdefault(client_id, set()).add(key)
+
+    def of_client(self, client_id: str) -> set[str] | None:
+        """The keys held here whose client (``client_id``) the engine was told: those a share of it may name."""
+        return self._by_client.get(client_id)
 
     def report_to(self, freed: set[str], owner: str) -> None:
         """Add ``owner`` (its engine's id) to ``freed`` whenever a request leaves."""
@@ -46,11 +58,19 @@ class Assigned:
             self._counts[band] -= 1
             if self._freed is not None:
                 self._freed.add(self._owner)
+            client_id = self._clients.pop(key, None)
+            if client_id is not None:
+                keys = self._by_client[client_id]
+                keys.discard(key)
+                if not keys:
+                    del self._by_client[client_id]
 
     def clear(self) -> None:
         if self._bands and self._freed is not None:
             self._freed.add(self._owner)
         self._bands.clear()
+        self._clients.clear()
+        self._by_client.clear()
         self._counts = [0] * len(CLASSES)
 
     def held(self, band: int) -> int:

@@ -37,6 +37,15 @@ from .requests import Phase, RequestRecord
 from .routing import EngineView, RoutingPolicy, adapter_candidates, make_routing_policy
 
 
+def shared(record: RequestRecord) -> bool:
+    """Whether a request's deltas may pass the coordinator in its client's share of a step, unread (protocol 11):
+    none of them carries what the coordinator reads as it passes (expert rows, prompt scores, kept ids counted against
+    a budget), and no tenant's share is settled from its tokens at its finish."""
+    params = record.params
+    return (record.kept is None and not params.return_routing_indices and not params.return_prompt_log_probs
+            and not params.return_top_p_token_ids and params.tenant is None)
+
+
 def wire_record(record: RequestRecord) -> EngineRequestOut:
     """The request engines read (``wire.request.EngineRequest``), from the coordinator's mirror.
 
@@ -169,6 +178,12 @@ class Dispatcher:
             engine.stall_clock = now
         engine.assigned.add(record.request_id, band_of(record.params.tenant) if band is None else band)
         blocks, body = self.flow.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+        if engine.shares and body.kv_transfer_params is None and shared(record) and not self.flow.handoffs.active:
+            body.client_id, body.client_request_id = record.client_id, record.client_request_id
+            engine.assigned.name_client(record.request_id, record.client_id)
+            record.log_to(engine.log)
+        else:
+            record.log_to(None)
         for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
             self.outbox.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
         self.outbox.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)

@@ -16,7 +16,7 @@ import msgspec
 
 from ..limits import KeptIdsMeter, engine_request_cost, over_budget
 from ..wire.accumulator import DeltaAccumulator
-from ..wire.deltas import EngineStep, RequestDelta
+from ..wire.deltas import ClientShare, EngineStep, RequestDelta
 from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error
 from ..wire.protocol import ErrorCode, Header
 from ..wire.request import FinalRecord, FinishReason, RequestStatus
@@ -25,13 +25,16 @@ from ..wire.submission import ClientAbort, EngineAbort, ResultAck, ResultOut, Su
 from . import prompts
 from .disaggregation import Handoffs
 from .droplog import DropLog
-from .effects import Outbox
+from .effects import Outbox, Send
 from .peers import ClientRecord, EngineRecord
 from .placement import admit, pinned_gone, refusal_code
 from .requests import DeltaFacts, Phase, RequestRecord, RequestTable, final_facts
+from .step_log import share_deltas
 from .step_tokens import StepShares, catch_up
 
 _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
+#: How a share's frame begins: a list of two, ``STEP_TOKENS`` (an engine writes no other message to a client).
+_STEP_TOKENS_FRAME = bytes((0x92, int(Header.STEP_TOKENS)))
 _FACTS = msgspec.msgpack.Decoder(DeltaFacts)
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
@@ -227,7 +230,8 @@ class RequestFlow:
         forwarded: unread when the engine named it in ``plain_ids`` (:meth:`_file_plain`), else read only for its
         request id, its ids and whether it ends the request. One with routing rows, prompt scores or kept ids, one of
         a request with a kept-ids budget, and every share while a prefill hands requests on to decode engines, is read
-        whole and mirrored at once."""
+        whole and mirrored at once. A client's share that the engine built (protocol 11) is forwarded whole and kept in
+        the engine's log (:meth:`_pass_shares`)."""
         if body.engine_id != engine.engine_id:
             # Output of an earlier registration of this same socket: its requests were re-queued.
             self._drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
@@ -238,6 +242,8 @@ class RequestFlow:
         over: list[tuple[RequestRecord, str]] = []
         careful = self.handoffs.active
         outputs = body.outputs
+        if body.shares:
+            outputs = outputs + self._pass_shares(engine, body, careful, finished)
         if body.plain_ids and not careful:
             outputs = self._file_plain(engine, body.plain_ids, outputs, steps)
         for raw in outputs:
@@ -280,6 +286,45 @@ class RequestFlow:
             engine.completed += 1
             if not handed_on:  # a prefill engine's finish hands the request on to a decode engine
                 self._finish_from_engine(engine, record, final)
+
+    def _pass_shares(self, engine: EngineRecord, body: EngineStep, careful: bool,
+                     finished: list[tuple[RequestRecord, msgspec.Raw | None, bool]]) -> list[msgspec.Raw]:
+        """Forward each client's share of the step (protocol 11) as the engine wrote it, kept in the engine's log for
+        the mirrors (:mod:`.step_log`), once one set check says that every request it names is one this engine holds
+        for that client; its finished ones go to ``finished``. Returns the deltas of the shares that fail the check
+        (a request aborted or moved meanwhile), or of every share while a prefill hands requests on, to read one by
+        one."""
+        records, clients, log, held_of = self.table.records, self._clients, engine.log, engine.assigned.of_client
+        rest: list[msgspec.Raw] = []
+        for share in body.shares:
+            held = None if careful else held_of(share.client_id)
+            if (held is None or not held.issuperset(share.request_ids) or not held.issuperset(share.finished)
+                    or not share.frame.startswith(_STEP_TOKENS_FRAME)):
+                rest += self._opened(engine, share)
+                continue
+            if log.append(share):
+                log.trim(records)
+            client = clients.get(share.client_id)
+            if client is not None and client.identity is not None:
+                self._out.add((Send(client.identity, share.frame, client.batches),))
+            for request_id in share.finished:
+                record = records.get(request_id)
+                if record is not None:
+                    finished.append((record, body.records.get(request_id), False))
+        return rest
+
+    def _opened(self, engine: EngineRecord, share: ClientShare) -> list[msgspec.Raw]:
+        """A share's deltas, to be read one by one (an unreadable share is dropped by name)."""
+        try:
+            deltas = share_deltas(share.frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self._drop(engine.engine_id, f"ENGINE_STEP share: {exc}")
+            return []
+        if len(deltas) != len(share.request_ids):
+            self._drop(engine.engine_id, f"ENGINE_STEP share names {len(share.request_ids)} requests for "
+                                         f"{len(deltas)} deltas")
+            return []
+        return deltas
 
     def _file_plain(self, engine: EngineRecord, plain_ids: list[str], outputs: list[msgspec.Raw],
                     steps: StepShares) -> list[msgspec.Raw]:

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from ..wire.lifecycle import FleetState
-from ..wire.handshake import ENGINE_PROTOCOL, PROTOCOL_VERSION, Error, Hello, HelloAck
+from ..wire.handshake import ENGINE_PROTOCOL, PROTOCOL_VERSION, SHARES_PROTOCOL, Error, Hello, HelloAck
 from ..wire.rendezvous import RENDEZVOUS_SCHEME, PeerShare
 from ..wire.protocol import ErrorCode, Header, Role
 from .deadlines import Deadlines
@@ -131,7 +131,8 @@ class Handshake:
         blocks = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else 0
         engine = EngineRecord(engine_id=engine_id, identity=identity, group=group, capacity=max(1, body.capacity or 16),
                               info=info, kv_blocks_total=blocks, kv_blocks_free=blocks,
-                              batches=body.protocol >= 2, last_seen=now, stall_clock=now)
+                              batches=body.protocol >= 2, shares=body.protocol >= SHARES_PROTOCOL, last_seen=now,
+                              stall_clock=now)
         lifecycle = self.lifecycle
         engine.state = (FleetState.PAUSED if lifecycle.state is FleetState.STOPPED else lifecycle.state).value
         refit = self._weights_for(engine)

@@ -11,6 +11,7 @@ from ..wire.lifecycle import ENGINE_DRAINING, FleetState
 from ..wire.protocol import Role
 from .assigned import Assigned
 from .routing import engine_slot, served_adapters
+from .step_log import StepLog
 
 
 @dataclass(eq=False)
@@ -43,6 +44,8 @@ class EngineRecord:
     metrics: dict[str, Any] | None = None  # its cumulative engine metrics (last heartbeat's ``metrics``)
     progress: int | None = None  # its step loop's iteration counter (last heartbeat's ``progress``); None: unknown
     stall_clock: float = field(default_factory=time.monotonic)  # a stall of its step loop is measured from here
+    shares: bool = False  # it builds its clients' shares of a step when told their clients (protocol 11)
+    log: StepLog = field(default_factory=StepLog)  # those shares, for the mirrors (.step_log)
 
     @property
     def load(self) -> int:

@@ -16,7 +16,8 @@ What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, fo
 a client that reconnects gets the tokens it missed again, whole (a catch-up in ``STEP_TOKENS``).
 A step's plain deltas are filed as the engine's bytes (:meth:`RequestRecord.file`) and read into the mirror
 only when something reads it (a move, a catch-up, an abort): most requests finish without that, and an engine
-step costs the coordinator a copy per request instead of a decode and an accumulation.
+step costs the coordinator a copy per request instead of a decode and an accumulation. A request whose engine builds its
+client's share of each step (protocol 11) has its deltas in that engine's log (:mod:`.step_log`), read the same way.
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
 coordinator reads only how it ended (:func:`final_facts`; the client validates it where it enters its process).
@@ -47,6 +48,7 @@ from ..wire.sampling_params import SamplingParams
 from ..wire.tenancy import STANDARD_BAND
 from ..scheduling.queue_policy import QueuePolicy
 from .fair_queue import FairQueue
+from .step_log import StepLog
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -94,6 +96,9 @@ class RequestRecord:
     session_id: str | None = None  # the multi-turn session it belongs to (coordinator.placement): its engine first
     pinned: str | None = None  # the engine its data-parallel rank named at arrival: it runs there or fails
     kept: KeptIdsMeter | None = None  # return_top_p_token_ids: its kept ids counted as produced (flow.on_step)
+    # protocol 11: the log of its engine's client shares its deltas come in, from entry ``log_from`` on (.step_log)
+    log: StepLog | None = None
+    log_from: int = 0
 
     @property
     def prefix_keys(self) -> list[int]:
@@ -113,17 +118,43 @@ class RequestRecord:
 
     @property
     def out(self) -> DeltaAccumulator:
-        """The mirror, with every delta filed so far read into it."""
+        """The mirror, with every delta filed so far read into it, then those in its engine's log."""
         if self.unread:
             self._read_filed()
+        log = self.log
+        if log is not None and log.position > self.log_from:
+            deltas = log.deltas_of(self.request_id, self.client_id, self.log_from)
+            self.log_from = log.position
+            for delta in _read(deltas, self.request_id):
+                self.mirror.add(delta, self.request_id)
         return self.mirror
 
     def file(self, delta: msgspec.Raw) -> None:
         """Keep a step's delta as its bytes (copied: the frame it came in is not held), read when the mirror is, or
-        once :data:`UNREAD_LIMIT` wait."""
-        self.unread.append(delta.copy())
+        once :data:`UNREAD_LIMIT` wait. Its deltas in the log come first (they are older)."""
+        log = self.log
+        if log is not None and log.position > self.log_from:
+            self.unread += log.deltas_of(self.request_id, self.client_id, self.log_from)
+            self.log_from = log.position
+        self.file_read(delta.copy())
+
+    def file_read(self, delta: msgspec.Raw) -> None:
+        """:meth:`file` a delta already copied, with nothing in the log before it (:meth:`StepLog.trim`)."""
+        self.unread.append(delta)
         if len(self.unread) >= UNREAD_LIMIT:
             self._read_filed()
+
+    def log_to(self, log: StepLog | None) -> None:
+        """Its deltas come in ``log`` from now on (None: one by one); what the log before held is filed first."""
+        old = self.log
+        if old is not None:
+            if old.position > self.log_from:
+                self.unread += old.deltas_of(self.request_id, self.client_id, self.log_from)
+            old.users.discard(self.request_id)
+        self.log = log
+        if log is not None:
+            self.log_from = log.position
+            log.users.add(self.request_id)
 
     def _read_filed(self) -> None:
         unread, self.unread = self.unread, []
@@ -299,6 +330,9 @@ class RequestTable:
     def forget(self, record: RequestRecord) -> None:
         if record.charged:  # dropped without finishing (its client gone): its tenant gets back what it did not use
             self.fair.settle(record)
+        if record.log is not None:
+            record.log.users.discard(record.request_id)
+            record.log = None
         if self.records.pop(record.request_id, None) is not None:
             self.counts[record.phase] -= 1
         self.undelivered.discard(record.request_id)

@@ -65,6 +65,19 @@ class RequestDelta(TokenDelta, kw_only=True):
     finished: bool
 
 
+class ClientShare(Body):
+    """One client's part of an engine step (protocol 11), built by the engine: ``frame`` is a whole ``STEP_TOKENS``
+    message (:class:`StepTokens`, each delta a :class:`RequestDelta` with new tokens and none of routing rows, prompt
+    scores or kept ids) for the requests ``request_ids``, in order, of which ``finished`` ended in this step (their
+    final records are in the step's ``records``). The coordinator checks the ids against the requests it gave the
+    engine for that client and forwards ``frame`` unread."""
+
+    client_id: str
+    request_ids: list[str]
+    frame: bytes
+    finished: list[str] = []
+
+
 class EngineStep(Body):
     engine_id: str
     # Each item decoded on its own, so that one unreadable output does not lose the others.
@@ -76,12 +89,22 @@ class EngineStep(Body):
     # The request ids of the first ``len(plain_ids)`` outputs, in order, each a plain delta (:func:`is_plain`): the
     # coordinator files and forwards those without decoding any (protocol 9; absent, every output is read).
     plain_ids: list[str] = []
+    # Each client's share of the step's deltas besides ``outputs`` (protocol 11), forwarded whole.
+    shares: list[ClientShare] = []
 
 
 def is_plain(delta: RequestDelta) -> bool:
     """A delta whose passage through the coordinator reads nothing but its request id: new tokens, the request not
     finished, and none of the fields the coordinator reads at once (routing rows, prompt scores, kept ids)."""
     return bool(delta.new_tokens) and not delta.finished and delta.routing is None and delta.prompt_scores is None \
+        and delta.top_p_token_ids is None
+
+
+def is_shared(delta: RequestDelta) -> bool:
+    """A delta that may travel in its client's share of a step (:class:`ClientShare`): a plain one
+    (:func:`is_plain`), or the same finishing its request (the coordinator learns that from the share's
+    ``finished``)."""
+    return bool(delta.new_tokens) and delta.routing is None and delta.prompt_scores is None \
         and delta.top_p_token_ids is None
 
 
@@ -93,6 +116,7 @@ class EngineStepOut(Body):
     outputs: list[RequestDelta]
     records: dict[str, Any] = {}
     plain_ids: list[str] = []
+    shares: list[ClientShare] = []
 
 
 class StepTokens(Body):

@@ -24,7 +24,11 @@ leading plain deltas, which the coordinator files and forwards without reading t
 of a step without them (an engine of 8), and an older coordinator ignores them. Version 10 adds ``SUBMIT``'s ``acks``:
 the RESULTs a client acknowledges, carried by its next request instead of a ``RESULT_ACK`` message beside it; a client
 puts them there only for a coordinator of 10 or later (:data:`SUBMIT_ACKS_PROTOCOL`), and sends ``RESULT_ACK`` to an
-older one.
+older one. Version 11 lets an engine build each client's share of a step: ``ENGINE_SUBMIT`` names the request's
+client and its client request id (``client_id``, ``client_request_id``; only to an engine of 11, only for a request
+whose deltas the coordinator need not read as they pass), and the engine sends those requests' deltas as ``ENGINE_STEP``'s
+``shares``, one ``STEP_TOKENS`` message per client, which the coordinator forwards as they came after one check of
+their ids (:class:`~megatron_serve.wire.deltas.ClientShare`). An engine of 10 gets no client and sends no shares.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import msgspec
 from .body import Body, ClientId
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 #: The oldest protocol a coordinator registers an engine of: 8 moved a finished request's record out of its last
 #: delta (a record there would be lost), so an older engine is refused by name.
 ENGINE_PROTOCOL = 8
@@ -45,6 +49,8 @@ ENGINE_PROTOCOL = 8
 SUBMIT_PROTOCOL = 6
 #: The lowest coordinator version that reads the acknowledgements a ``SUBMIT`` carries (``acks``).
 SUBMIT_ACKS_PROTOCOL = 10
+#: The lowest engine version that builds its clients' shares of a step (told each request's client at dispatch).
+SHARES_PROTOCOL = 11
 
 
 class Hello(Body):

@@ -73,6 +73,10 @@ class EngineSubmit(Body):
     # vLLM's: {"do_remote_decode": true} to a prefill engine, {"do_remote_prefill": true, ...} to a decode engine
     # (after the request's KV_BLOCKS: wire.kv_blocks)
     kv_transfer_params: dict[str, Any] | None = None
+    # protocol 11: the request's client and its id there, for the engine to send its plain deltas in that client's
+    # share of each step (ENGINE_STEP's shares); absent, its deltas travel one by one
+    client_id: str | None = None
+    client_request_id: ClientId | None = None
 
 
 class EngineSubmitOut(Body):
@@ -80,6 +84,8 @@ class EngineSubmitOut(Body):
 
     request: Any
     kv_transfer_params: dict[str, Any] | None = None
+    client_id: str | None = None
+    client_request_id: ClientId | None = None
 
 
 class EngineAbort(Body):

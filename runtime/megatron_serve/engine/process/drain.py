@@ -37,6 +37,8 @@ def drain_finished(shell: Shell) -> bool:
     shell.step(settle=True)
     rest = engine.take_unfinished_requests()
     ids = [r.request_id for r in rest]
+    for request_id in ids:  # handed back: no more deltas of theirs here
+        shell.routes.pop(request_id, None)
     if not shell.session:
         logger.info("exiting without a coordinator (%d unfinished request(s) dropped)", len(ids))
         return True

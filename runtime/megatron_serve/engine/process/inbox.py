@@ -61,6 +61,7 @@ def _on_coordinator(shell: Shell, header: Header, body: Any) -> None:
     elif header is Header.KV_BLOCKS:
         engine.kv_in(body)
     elif header is Header.ABORT:
+        shell.routes.pop(body.request_id, None)
         engine.abort_request(body.request_id)
     elif header is Header.HANDBACK:
         shell.handback_acked = True
@@ -88,4 +89,8 @@ def _add(shell: Shell, submit: EngineSubmit) -> None:
                              error=f"engine could not read the request: {exc}", finish_time=time.time())
         shell.send(Header.ENGINE_STEP, ended_body(shell.engine_id, [failed]))
         return
+    if submit.client_id is not None:  # protocol 11: its plain deltas go in that client's share of each step
+        shell.routes[request.request_id] = (submit.client_id, submit.client_request_id)
+    else:
+        shell.routes.pop(request.request_id, None)
     shell.engine.add_request(request, submit.kv_transfer_params)

@@ -27,6 +27,7 @@ def on_registered(shell: Shell, ack: HelloAck, session: int) -> None:
                        "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
     shell.session = session
     shell.engine_id = ack.engine_id
+    shell.routes.clear()  # its requests' clients, of the registration before (re-queued there)
     if ack.kv_events:  # the coordinator's routing reads them: its index starts from what the engine holds now
         engine.kv_events.attach(shell.send_kv_events)
     else:  # not gathered at all unless another sink (--kv-events-config) wants them

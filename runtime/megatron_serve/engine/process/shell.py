@@ -51,6 +51,9 @@ class Shell:
         self.steps = 0
         self.iterations = 0  # of the loop: the heartbeat's ``progress``
         self.stats_at = 0.0  # when the heartbeat's figures were last refreshed
+        # protocol 11: each request's client and client request id, where the coordinator named them (its deltas
+        # travel in that client's share of a step: engine.output.step_bodies); dropped as the request ends here
+        self.routes: dict[str, tuple[str, Any]] = {}
 
     def send(self, header: Header, body: Body | dict[str, Any]) -> None:
         if self.session:
@@ -89,6 +92,7 @@ class Shell:
             logger.exception("engine step failed")
             why = f"engine step failed: {type(exc).__name__}: {exc}"
             failed = [r.failed(why) for r in self.engine.take_unfinished_requests()]
+            self.routes.clear()  # every request it held ended
             self.send(Header.ENGINE_STEP, ended_body(self.engine_id, failed))
             return
         self.steps += 0 if settle else 1
@@ -101,5 +105,10 @@ class Shell:
         for blocks in self.engine.kv_out(self.engine_id or ""):
             self.send(Header.KV_BLOCKS, blocks)
         if outputs:
-            for body in step_bodies(self.engine_id, outputs):
+            routes = self.routes
+            for body in step_bodies(self.engine_id, outputs, routes):
                 self.send(Header.ENGINE_STEP, body)
+            if routes:
+                for out in outputs:
+                    if out.finished:
+                        routes.pop(out.request_id, None)
