@@ -50,7 +50,9 @@ class EventLoopThread:
     def close(self, teardown: Coroutine[Any, Any, None], timeout: float = 5.0) -> None:
         """Run the owner's ``teardown`` for at most ``timeout``, then :meth:`stop` (idempotent). A teardown that
         overruns (its loop starved of CPU while the machine is loaded) or fails is logged, not raised: whoever
-        closes is on its way out, and :meth:`stop` cancels what the teardown left running."""
+        closes is on its way out, and :meth:`stop` cancels what the teardown left running, within its own bound
+        (a short ``timeout`` for the teardown left the cancellations none on a loaded machine: tasks then stayed
+        pending)."""
         if self.loop.is_closed():
             teardown.close()
             return
@@ -59,7 +61,7 @@ class EventLoopThread:
         except Exception:  # noqa: BLE001 - TimeoutError, or a connection that never came up: nothing left to close
             logger.debug("closing %s", self._thread.name, exc_info=True)
         finally:
-            self.stop(timeout)
+            self.stop()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel the tasks still on the loop and let them end, stop the loop and join the thread (idempotent):
