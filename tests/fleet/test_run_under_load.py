@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.helpers import free_port, http_get, http_post
-from tests.run_stack import start_run, stream
+from tests.run_stack import Outcome, start_run, stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -29,6 +29,10 @@ STREAMS = 400
 TOKENS = 32  # modest: the test is about the server's readiness under many streams, not their length (64 before:
 #              the streams' phase, and the probes that run through it, twice as long for the same contract)
 PROBE_EVERY = 0.1  # seconds: each probe is three requests on new connections (no CA bundle loaded: ~1 ms of CPU each)
+#: Probe rounds the streams are kept up for: each stream, once ended, is sent again until this many rounds were sent.
+#: (Sent once each, 400 streams of 32 tokens could end within a round of their first quarter's first tokens on a
+#: faster stack: a CI run here counted 0 probes.)
+PROBE_ROUNDS = 10
 
 
 def newcomer(url: str, model: str, number: int) -> tuple[int, dict]:
@@ -45,15 +49,19 @@ def ready(url: str) -> tuple[int, dict, float]:
     return answer.status_code, answer.json(), time.monotonic() - began
 
 
-def probe(url: str, probes: str, model: str, loaded: threading.Event, done: threading.Event) -> tuple[list, list]:
+def probe(url: str, probes: str, model: str, loaded: threading.Event, done: threading.Event,
+          enough: threading.Event) -> tuple[list, list]:
     """From threads of their own (the streams keep the test's event loop busy): ``/ready`` on both ports and a new
-    completion every ``PROBE_EVERY`` s, each on a new connection, from when ``loaded`` is set until ``done``."""
+    completion every ``PROBE_EVERY`` s, each on a new connection, from when ``loaded`` is set until ``done``;
+    ``enough`` is set once :data:`PROBE_ROUNDS` rounds were sent."""
     readies, newcomers = [], []
     with ThreadPoolExecutor(64) as pool:
         while not done.wait(PROBE_EVERY):
             if loaded.is_set():
                 readies += [pool.submit(ready, url), pool.submit(ready, probes)]
                 newcomers.append(pool.submit(newcomer, url, model, len(newcomers)))
+                if len(newcomers) >= PROBE_ROUNDS:
+                    enough.set()
         return [future.result() for future in readies], [future.result() for future in newcomers]
 
 
@@ -68,16 +76,24 @@ async def test_ready_and_admission_hold_under_400_streams(tiny_llama, tmp_path):
         assert [(p[0], m[0]) for p, m in first] == [(200, 200)] * 5, first
         assert all(p[1]["ready"] and m[1]["ready"] for p, m in first), first
         limits = httpx.Limits(max_connections=STREAMS + 16, max_keepalive_connections=STREAMS + 16)
-        loaded, done = threading.Event(), threading.Event()
-        probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, probes, stack.model, loaded, done))
+        loaded, done, enough = threading.Event(), threading.Event(), threading.Event()
+        probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, probes, stack.model, loaded, done,
+                                                          enough))
         async with httpx.AsyncClient(base_url=stack.url, timeout=600, limits=limits) as http:
+
+            async def keep_streaming(number: int, first: asyncio.Event) -> list[Outcome]:
+                """One of the STREAMS in flight: sent again as it ends, until the probes have had their rounds."""
+                ended = [await stream(http, stack.model, f"Load {number}: a b c d e", TOKENS, first)]
+                while not enough.is_set():
+                    ended.append(await stream(http, stack.model, f"Load {number}.{len(ended)}: a b", TOKENS))
+                return ended
+
             firsts = [asyncio.Event() for _ in range(STREAMS)]
-            streams = [asyncio.create_task(stream(http, stack.model, f"Load {i}: a b c d e", TOKENS, first))
-                       for i, first in enumerate(firsts)]
+            streams = [asyncio.create_task(keep_streaming(i, first)) for i, first in enumerate(firsts)]
             while sum(first.is_set() for first in firsts) < STREAMS // 4:  # bounded by the test's timeout
                 await asyncio.sleep(0.05)
             loaded.set()  # a quarter of the streams are streaming: probe from now until all have ended
-            outcomes = await asyncio.gather(*streams)
+            outcomes = [outcome for ended in await asyncio.gather(*streams) for outcome in ended]
         done.set()
         readies, answers = await probing
         assert all(outcome.completed and len(outcome.tokens) == TOKENS for outcome in outcomes), \

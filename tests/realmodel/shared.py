@@ -15,6 +15,9 @@ from tests.helpers import shared_directory
 
 #: The product's own entry of a cache home (``megatron-serve/gguf``): the one kept out of the user's cache.
 PRODUCT_ENTRY = "megatron-serve"
+#: The entries of the tools the tests run under the session's home (torch's extensions, pip, uv, ccache): linked to
+#: the user's even where the user's has none yet (a fresh machine's pip had written no cache before the suite).
+TOOL_ENTRIES = frozenset({"torch_extensions", "pip", "uv", "ccache"})
 #: The user's cache home, as this process started with it (a session fixture points ``XDG_CACHE_HOME`` away later).
 USERS_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
@@ -32,7 +35,9 @@ def gguf_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A process started under this home (its XDG_CACHE_HOME already this directory) finds the links made.
     if USERS_CACHE.resolve() != home.resolve():
         entries = {entry.name for entry in USERS_CACHE.iterdir()} if USERS_CACHE.is_dir() else set()
-        for name in sorted((entries | {"torch_extensions"}) - {PRODUCT_ENTRY}):
+        for name in sorted((entries | TOOL_ENTRIES) - {PRODUCT_ENTRY}):
+            if name in TOOL_ENTRIES:  # the user's, made now where the tool has not yet: it will write there
+                (USERS_CACHE / name).mkdir(parents=True, exist_ok=True)
             link = home / name
             if not link.is_symlink():
                 try:
