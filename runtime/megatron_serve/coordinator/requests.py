@@ -121,21 +121,23 @@ class RequestRecord:
         """The mirror, with every delta filed so far read into it, then those in its engine's log."""
         if self.unread:
             self._read_filed()
-        log = self.log
-        if log is not None and log.position > self.log_from:
-            deltas = log.deltas_of(self.request_id, self.client_id, self.log_from)
-            self.log_from = log.position
-            for delta in _read(deltas, self.request_id):
-                self.mirror.add(delta, self.request_id)
+        for delta in _read(self._take_logged(), self.request_id):
+            self.mirror.add(delta, self.request_id)
         return self.mirror
+
+    def _take_logged(self) -> list[msgspec.Raw]:
+        """Its deltas in its engine's log not taken yet (copies), in order; the mark moves past them."""
+        log = self.log
+        if log is None or log.position <= self.log_from:
+            return []
+        deltas = log.deltas_of(self.request_id, self.client_id, self.log_from)
+        self.log_from = log.position
+        return deltas
 
     def file(self, delta: msgspec.Raw) -> None:
         """Keep a step's delta as its bytes (copied: the frame it came in is not held), read when the mirror is, or
         once :data:`UNREAD_LIMIT` wait. Its deltas in the log come first (they are older)."""
-        log = self.log
-        if log is not None and log.position > self.log_from:
-            self.unread += log.deltas_of(self.request_id, self.client_id, self.log_from)
-            self.log_from = log.position
+        self.unread += self._take_logged()
         self.file_read(delta.copy())
 
     def file_read(self, delta: msgspec.Raw) -> None:
@@ -148,8 +150,7 @@ class RequestRecord:
         """Its deltas come in ``log`` from now on (None: one by one); what the log before held is filed first."""
         old = self.log
         if old is not None:
-            if old.position > self.log_from:
-                self.unread += old.deltas_of(self.request_id, self.client_id, self.log_from)
+            self.unread += self._take_logged()
             old.users.discard(self.request_id)
         self.log = log
         if log is not None:
