@@ -82,9 +82,14 @@ async def test_a_fan_out_request_is_refused_and_the_other_tenant_does_not_notice
             ready = (await http.get("/ready")).json()
         logs = [path for path in (tmp_path / "run").rglob("*coordinator*") if path.is_file()]
         removed = [line for path in logs for line in path.read_text(errors="replace").splitlines() if "removed:" in line]
-    codes = {(answer.status_code, answer.json()["error"]["code"]) for answer in answers}
+    codes = [(answer.status_code, answer.json()["error"]["code"]) for answer in answers]
+    shed = {answer.json()["error"]["message"] for answer in answers if answer.status_code == 503}
     print(f"\nTTFT p50/p99 alone {statistics.median(alone) * 1e3:.1f}/{p99(alone) * 1e3:.1f} ms, during "
-          f"{len(answers)} fan-out requests {statistics.median(during) * 1e3:.1f}/{p99(during) * 1e3:.1f} ms")
-    assert len(answers) >= 4 and codes == {(400, "too_many_choices")}, codes
+          f"{len(answers)} fan-out requests {statistics.median(during) * 1e3:.1f}/{p99(during) * 1e3:.1f} ms; "
+          f"shed at the door: {codes.count((503, 'fleet_saturated'))} ({shed or 'none'})")
+    # Every fan-out is refused before any work: by its size (400), or, as the bulk tenant is sheddable, at the door
+    # while the fleet counts as saturated (503; on a loaded host the fleet's status can age past ``stale_after``).
+    assert set(codes) <= {(400, "too_many_choices"), (503, "fleet_saturated")}, set(codes)
+    assert codes.count((400, "too_many_choices")) >= 4, codes
     assert ready["engines"] == 1, ready
     assert logs and removed == []  # no engine dropped
