@@ -35,6 +35,7 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.model.tiny import make_tiny_model
 
 import serving
+import serving_stack
 from engine_run import run_to_end
 
 
@@ -83,15 +84,15 @@ def served(model_dir: str, invariant_mode: bool, requests, dtype: str, device: s
     serving.SAMPLING = serving.Sampling(temperature=prompts[0][1].temperature, n=samples)
     run_args = (f"--dtype {dtype} --device {device} --max-requests 64 --max-batch-tokens 512"
                 + " --batch-invariant" * invariant_mode)
-    proc, url, _ = serving.start_stack(model_dir, 1, run_args)
+    proc, url, _ = serving_stack.start_stack(model_dir, 1, run_args)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         asyncio.run(serving.serve_level(url, model, {}, serving.Workload(work.prompts[:2], [4, 4]), 2))  # warm-up
-        cpu_before = sum((serving.stack_cpu_seconds(proc.pid) or {}).values())
+        cpu_before = sum((serving_stack.stack_cpu_seconds(proc.pid) or {}).values())
         results, elapsed = asyncio.run(serving.serve_level(url, model, {}, work, len(work.prompts)))
-        cpu = sum((serving.stack_cpu_seconds(proc.pid) or {}).values()) - cpu_before
+        cpu = sum((serving_stack.stack_cpu_seconds(proc.pid) or {}).values()) - cpu_before
     finally:
-        serving.stop_stack(proc)
+        serving_stack.stop_stack(proc)
     return elapsed, cpu, sum(result.tokens for result in results)
 
 

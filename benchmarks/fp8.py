@@ -141,9 +141,10 @@ def serving_tokens_per_s(model_dir: Path, run_args: str, concurrency: int, promp
                          vocab_size: int) -> float:
     """Output tokens/s of ``megatron-serve run`` (one engine) over ``4 * concurrency`` random prompts, ``concurrency``
     at a time, after a warm-up of 4."""
-    import serving  # noqa: PLC0415 - the sibling benchmark, for its stack and closed loop
+    import serving  # noqa: PLC0415 - the sibling benchmark, for its closed loop
+    import serving_stack  # noqa: PLC0415
 
-    proc, url, _ = serving.start_stack(str(model_dir), 1, run_args)
+    proc, url, _ = serving_stack.start_stack(str(model_dir), 1, run_args)
     try:
         model = serving.httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         warmup = serving.workload(4, prompt_tokens, output_tokens, vocab_size, "uniform", 99)
@@ -152,7 +153,7 @@ def serving_tokens_per_s(model_dir: Path, run_args: str, concurrency: int, promp
         samples, elapsed = asyncio.run(serving.serve_level(url, model, {}, work, concurrency))
         return sum(s.tokens for s in samples) / elapsed
     finally:
-        serving.stop_stack(proc)
+        serving_stack.stop_stack(proc)
 
 
 def run_targets(shape_name: str, device: torch.device, workdir: Path, batches: tuple[int, int, int],

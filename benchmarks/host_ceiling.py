@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import serving
+import serving_stack
 from scratch import scratch_dir
 from stage_profile import NAMES, Sampled, StageProfile
 
@@ -123,16 +124,16 @@ def sampling_for(mode: str, n: int, logprobs: int) -> serving.Sampling:
 
 def stack_members(run_pid: int) -> list[tuple[int, str]]:
     """The stack's processes and their roles: ``run`` itself serves HTTP."""
-    return [(run_pid, "server"), *serving.stack_processes(run_pid)]
+    return [(run_pid, "server"), *serving_stack.stack_processes(run_pid)]
 
 
 def run_stack(args: argparse.Namespace, model_dir: str, api_servers: int, out_dir: Path) -> list[Level]:
-    pinning = serving.Pinning.plan(args.engines, args.pin)
+    pinning = serving_stack.Pinning.plan(args.engines, args.pin)
     run_args = f"{args.run_args} --api-server-count {api_servers}"
-    proc, url, output = serving.start_stack(model_dir, args.engines, run_args)
+    proc, url, output = serving_stack.start_stack(model_dir, args.engines, run_args)
     levels = []
     try:
-        serving.pin_stack(proc.pid, pinning)
+        serving_stack.pin_stack(proc.pid, pinning)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         profile = StageProfile(stack_members(proc.pid), out_dir, args.rate)
         for mode in args.modes:
@@ -156,7 +157,7 @@ def run_stack(args: argparse.Namespace, model_dir: str, api_servers: int, out_di
                     print(json.dumps(level.summary()))
                 sys.stdout.flush()
     finally:
-        serving.stop_stack(proc)
+        serving_stack.stop_stack(proc)
         if proc.returncode not in (0, None, -15, 130):
             print(output.read_text()[-3000:], file=sys.stderr)
     return levels
@@ -217,7 +218,7 @@ def main() -> None:
     print(f"model: the tiny Llama's tokenizer padded to {args.vocab_size} words, forward: fixed logits at once; "
           f"output {args.output_tokens // 2}-{args.output_tokens * 3 // 2} tokens per choice, prompts of "
           f"{args.prompt_words} words; sampled: temperature 1, n {args.n}, logprobs {args.logprobs}; "
-          f"{args.threads} thread(s) per process; {serving.Pinning.plan(args.engines, args.pin).describe()}",
+          f"{args.threads} thread(s) per process; {serving_stack.Pinning.plan(args.engines, args.pin).describe()}",
           flush=True)
     started = time.monotonic()
     samples_dir = work_dir

@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import scratch_dir, stack_processes, start_stack, stop_stack  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
+from serving_stack import stack_processes, start_stack, stop_stack  # noqa: E402
 
 ROLES = ("server", "coordinator", "engines")
 

@@ -26,13 +26,13 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from scratch import scratch_dir
-from serving import THREAD_VARIABLES, percentile, start_stack, stop_stack
+from serving import THREAD_VARIABLES, percentile
+from serving_stack import start_stack, stop_stack
 
 MP = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's load, threads or GIL
 LOADED, DONE = MP.Event(), MP.Event()

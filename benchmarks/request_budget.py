@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from scratch import scratch_dir
-from serving import start_stack, stop_stack
+from serving_stack import start_stack, stop_stack
 
 PROMPT_TOKENS = 1000
 
@@ -115,7 +115,7 @@ async def run(url: str, model: str, pid: int, large_n: int) -> None:
            await phase(url, model, [amplifying], pid))
     large = {**amplifying, "n": large_n}
     report(f"the same with n={large_n}", await phase(url, model, [large], pid))
-    report(f"four of those at once", await phase(url, model, [large] * 4, pid))
+    report("four of those at once", await phase(url, model, [large] * 4, pid))
 
 
 def main() -> None:

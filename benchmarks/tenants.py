@@ -38,7 +38,8 @@ from typing import Callable
 import aiohttp
 
 from scratch import scratch_dir
-from serving import completion_messages, percentile, stack_cpu_seconds, start_stack, stop_stack
+from serving import completion_messages, percentile
+from serving_stack import stack_cpu_seconds, start_stack, stop_stack
 
 SLOTS = 8  # the engine's request slots (--max-requests)
 MODEL_NAME = ["tiny-llama"]  # the served name: the model directory's
