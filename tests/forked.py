@@ -41,6 +41,8 @@ from typing import IO, Any, Literal, NoReturn
 
 import torch
 
+from tests.helpers import process_children
+
 Via = Literal["fork", "forkserver"]
 
 # the sender too: every trainer script imports it (~0.1 s of CPU in each rank, once in the server instead)
@@ -187,16 +189,11 @@ def _thread_names() -> str:
 
 
 def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants, parents first (``/proc``'s children lists; gone ones skipped)."""
+    """``pid`` and its descendants, parents first (gone ones skipped)."""
     members, index = [pid], 0
     while index < len(members):
-        tasks = Path(f"/proc/{members[index]}/task")
+        members += process_children(members[index])
         index += 1
-        try:
-            for task in tasks.iterdir():
-                members.extend(int(child) for child in (task / "children").read_text().split())
-        except OSError:
-            continue
     return members
 
 

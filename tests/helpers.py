@@ -206,15 +206,25 @@ def pending(status: Callable[[], Awaitable[dict[str, Any]]], name: str) -> Calla
     return holds
 
 
+def process_children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (a process started from a thread is that thread's child in
+    ``/proc``: the local fleet starts engines from one of its own); [] once ``pid`` is gone."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return found
+
+
 def rank_processes(engine_pid: int) -> list[int]:
     """The tensor-parallel ranks an engine process started (engine/group/spawn.py): its own children, forked from it,
     or where it used multiprocessing's fork server, that server's children (whose command line they share)."""
-    def children(pid: int) -> list[int]:
-        try:
-            return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        except OSError:
-            return []
-
     def command(pid: int) -> bytes:
         try:
             return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -222,9 +232,9 @@ def rank_processes(engine_pid: int) -> list[int]:
             return b""
 
     ranks = []
-    for child in children(engine_pid):
+    for child in process_children(engine_pid):
         if b"multiprocessing.forkserver" in command(child):
-            ranks += children(child)
+            ranks += process_children(child)
         elif command(child) == command(engine_pid):
             ranks.append(child)
     return ranks

@@ -25,7 +25,7 @@ import httpx
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
-from tests.helpers import http_get, poll, poll_ready
+from tests.helpers import http_get, poll, poll_ready, process_children
 
 
 @dataclass
@@ -196,12 +196,7 @@ LAUNCHER = "megatron_serve.commands.launcher"
 def child_pids(parent: int) -> list[int]:
     """Children of every thread of ``parent`` (the local fleet starts them from a thread of its own), and the
     children of its engine launcher among them (the engines and rendezvous stores it forked)."""
-    pids: list[int] = []
-    for task in Path(f"/proc/{parent}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
+    pids = process_children(parent)
     return pids + [child for pid in pids if LAUNCHER in command_line(pid) for child in child_pids(pid)]
 
 
