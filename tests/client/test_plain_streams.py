@@ -59,21 +59,31 @@ def test_take_one_shows_what_extend_then_take_shows(tokenizer):
         assert one.text == tokenizer.decode(_ids(tokenizer, case, 60), skip_special_tokens=skip)
 
 
-def test_a_plain_delta_is_kept_as_add_keeps_it_and_any_other_is_left_to_add():
+def test_a_plain_delta_is_kept_as_add_keeps_it_and_any_other_is_left_to_add(tokenizer):
+    """A plain collector keeps a delta of one id and its epochs in its accumulator's lists itself, as the
+    accumulator's ``add`` keeps it; any other delta it leaves, keeping nothing, to :meth:`OutputCollector.add`."""
     plain = TokenDelta(new_tokens=[7], epochs=[[1], [2], [3]])
-    taken, control = DeltaAccumulator(), DeltaAccumulator()
-    assert taken.add_plain(plain) == 7
+    collector = OutputCollector("r", PROMPT, SamplingParams(num_tokens_to_generate=16), tokenizer)
+    collector.add(TokenDelta(new_tokens=[9], epochs=[[0], [0], [0]]))  # (its first token goes the general way)
+    control = DeltaAccumulator()
+    control.add(TokenDelta(new_tokens=[9], epochs=[[0], [0], [0]]), "r")
+    assert collector.add_plain(plain) is not None
     control.add(plain, "r")
+    taken = collector.out
     assert (taken.tokens, taken.policy_epochs, taken.kv_epochs, taken.lora_epochs) == (
         control.tokens, control.policy_epochs, control.kv_epochs, control.lora_epochs)
     others = [TokenDelta(new_tokens=[7, 8], epochs=[[1, 1], [2, 2], [3, 3]]), TokenDelta(new_tokens=[7]),
               TokenDelta(new_tokens=[7], epochs=[[1], [2]]), TokenDelta(new_tokens=[7], epochs=[[1], [2], [3]],
                                                                           new_log_probs=[-0.5]),
               TokenDelta(new_tokens=[7], epochs=[[1], [2], [3]], stop_token=True),
-              TokenDelta(new_tokens=[7], epochs=[[1], [2], [3]], cached_tokens=0)]
+              TokenDelta(new_tokens=[7], epochs=[[1], [2], [3]], cached_tokens=0),
+              TokenDelta(new_tokens=[7], epochs=[[1, 1], [2], [3]])]
     for other in others:
-        assert taken.add_plain(other) is None
-    assert taken.tokens == [7] and taken.policy_epochs == [1]
+        assert collector.add_plain(other) is None
+    assert taken.tokens == [9, 7] and taken.policy_epochs == [0, 1]
+    collector.add(TokenDelta(new_tokens=[5, 6], epochs=[[4, 4], [5, 5], [6, 6]]))  # the general way, after
+    assert collector.add_plain(TokenDelta(new_tokens=[8], epochs=[[7], [8], [9]])) is not None
+    assert taken.tokens == [9, 7, 5, 6, 8] and taken.lora_epochs == [0, 3, 6, 6, 9]
 
 
 class _Sink:

@@ -127,7 +127,7 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
     (``_TextTagged.put_text``, counted by a wrapper that keeps it), completions and chats alike, and the text is the
     whole answer's; a stream whose chunks list token ids takes whole pieces, each with its ids. Once the response
     is being poured, a plain stream's sink writes those chunks into the connection's transport itself (the writer's
-    lane: ``generation.write_chunk``, counted); two choices' pieces are gathered by the writer instead."""
+    lane: ``generation.write_text_event``, counted); two choices' pieces are gathered by the writer instead."""
     from megatron_serve.server import generation
 
     taken: list[str] = []
@@ -139,17 +139,17 @@ async def test_plain_streams_write_later_tokens_from_their_text_alone_and_equal_
             taken.append(text)
         return took
 
-    direct: list[bytes] = []
-    write_chunk = generation.write_chunk
+    direct: list[str] = []
+    write_text_event = generation.write_text_event
 
-    def written(transport, body: bytes) -> bool:
-        wrote = write_chunk(transport, body)
-        if wrote:
-            direct.append(body)
-        return wrote
+    def written(transport, before: bytes, text: str, after: bytes) -> bytes | None:
+        unwritten = write_text_event(transport, before, text, after)
+        if unwritten is None:
+            direct.append(text)
+        return unwritten
 
     monkeypatch.setattr(generation._TextTagged, "put_text", counted)
-    monkeypatch.setattr(generation, "write_chunk", written)
+    monkeypatch.setattr(generation, "write_text_event", written)
     async with served(tiny_model, tokenizer) as (client, _):
         async def completion(prompt: str) -> str:
             stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,

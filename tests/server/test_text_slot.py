@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_serve.server.chunks import SLOT, ChunkWriter
+from megatron_serve.server.chunked import write_chunk
+from megatron_serve.server.chunks import SLOT, ChunkWriter, text_event, write_text_event
 from megatron_serve.server.models import Usage
 
 TEXTS = ["", "plain", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "one\u2028two\u2029three\u0085four",
@@ -51,3 +52,33 @@ def test_a_stream_s_usage_chunk_is_the_usage_model_s_byte_for_byte(cached):
     writer = ChunkWriter("cmpl-1", "text_completion", 1, "m", lambda i, text: _choice("text_completion", i, text))
     assert writer.chunk([], usage=usage_fields(12, finished)) == writer.chunk([], usage=make_usage(12, finished))
     assert b'"prompt_tokens_details":{"cached_tokens":%d}' % cached in writer.chunk([], usage=usage_fields(12, finished))
+
+
+class _Transport:
+    """A connection's transport: what is written, and a buffer that may be full or a client that left."""
+
+    def __init__(self, buffered: int = 0, closing: bool = False) -> None:
+        self.data: list[bytes] = []
+        self.buffered, self.closing = buffered, closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.data.append(data)
+
+
+def test_a_lane_writes_the_text_event_as_the_body_s_chunk_or_hands_it_back_unwritten():
+    """``write_text_event`` (a plain stream's token, one call) writes what ``text_event`` makes, framed as
+    ``write_chunk`` frames it, into a transport that takes it at once; into a full one, or one whose client left, it
+    writes nothing and hands the event back."""
+    for text in TEXTS[1:]:
+        expected = text_event(b"data: {", text, b"}\n\n")
+        framed, control = _Transport(), _Transport()
+        assert write_text_event(framed, b"data: {", text, b"}\n\n") is None
+        assert write_chunk(control, expected) and framed.data == control.data and len(framed.data) == 1
+        for busy in (_Transport(buffered=1), _Transport(closing=True)):
+            assert write_text_event(busy, b"data: {", text, b"}\n\n") == expected and busy.data == []

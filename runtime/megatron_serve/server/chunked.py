@@ -27,6 +27,8 @@ from starlette.types import Scope
 
 #: The scope extension's key.
 EXTENSION = "megatron_serve.chunked_body"
+#: One chunk of chunked transfer encoding: its size in hex, its bytes (``FRAME % (len(body), body)``).
+FRAME = b"%x\r\n%b\r\n"
 
 
 class ChunkedBody:
@@ -88,7 +90,7 @@ def write_chunk(transport: Any, body: bytes) -> bool:
     if transport.get_write_buffer_size() or transport.is_closing():
         return False
     if body:  # an empty chunk would end the body
-        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        transport.write(FRAME % (len(body), body))
     return True
 
 

@@ -33,8 +33,7 @@ from .backend import Backend
 from .metrics import ServerMetrics
 from .placement import placement_refused
 from .request_log import RequestLog
-from .chunked import write_chunk
-from .chunks import TextChunks, text_event
+from .chunks import TextChunks, write_text_event
 from .streaming import DONE, EventWriter, Renderer
 
 if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
@@ -93,9 +92,9 @@ class _TextTagged(_Tagged):
         collector takes the first token the general way), so the renderer's answer then holds for the stream."""
         transport = self.direct
         if transport is not None:  # (set only once the chunks below were made)
-            if text:
-                event = text_event(self._before, text, self._after)
-                if not write_chunk(transport, event):  # the connection's buffer is full: the writer queues it
+            if text:  # (an empty text would end the body)
+                event = write_text_event(transport, self._before, text, self._after)
+                if event is not None:  # the connection's buffer is full: the writer queues it
                     self._writer.write(event)
             return True
         chunks = self._chunks

@@ -65,24 +65,11 @@ class DeltaAccumulator:
         self.tokens.extend(delta.new_tokens)
         self.add_rest(delta, len(delta.new_tokens), request_id)
 
-    def add_plain(self, delta: TokenDelta) -> int | None:
-        """Keep a delta of one id and its three epochs alone, what a plain stream's steps carry, and return the id;
-        None, keeping nothing, for any other delta (:meth:`add` keeps it). The client's plain streams take this
-        way, without a piece to make per token (``client.output_processor.OutputCollector.add_plain``)."""
-        if (delta.new_log_probs is not None or delta.top_ids is not None or delta.top_p_token_ids is not None
-                or delta.routing is not None or delta.cached_tokens is not None or delta.prompt_scores is not None
-                or delta.stop_token):
-            return None
-        tokens, epochs = delta.new_tokens, delta.epochs
-        if len(tokens) != 1 or epochs is None or len(epochs) != 3:
-            return None
-        policy, kv, lora = epochs
-        if len(policy) != 1 or len(kv) != 1 or len(lora) != 1:
-            return None
-        token = tokens[0]
-        self.tokens.append(token)
-        self._epochs += (policy[0], kv[0], lora[0])
-        return token
+    def plain_lists(self) -> tuple[list[int], list[int]]:
+        """The ids and their epochs (each id's policy, KV and adapter epochs, one after the other): a plain stream's
+        collector appends a delta of one id and its epochs to them itself (``client.output_processor``), so that its
+        token reads no accumulator. Both lists stay these objects."""
+        return self.tokens, self._epochs
 
     def add_rest(self, delta: TokenDelta, kept: int, request_id: str) -> None:
         """Keep what goes with ``delta``'s first ``kept`` ids, which the caller appended to :attr:`tokens`
