@@ -164,6 +164,9 @@ class Coordinator:
                 # the rest of the burst is read without blocking. A blocking receive on the one socket,
                 # instead of a poll over it and the monitor, cut the coordinator's CPU per request at one
                 # in flight from 432 to 340 us (benchmarks/coordinator_peer.py, medians of 3 A/B runs).
+                # The burst ends when the socket's EVENTS say nothing more is waiting, not at a receive that
+                # raises zmq.Again: just after a wake-up that costs 8-10 us of CPU against 27-34 here
+                # (docs/benchmarks.md, issue 84: the coordinator's wake-ups), and most passes read one frame.
                 flags = 0
                 for _ in range(_MAX_BURST):
                     try:
@@ -176,6 +179,8 @@ class Coordinator:
                     finally:
                         flags = zmq.NOBLOCK
                     outbox += self._on_frame(identity, frame)
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
                 now = time.monotonic()
                 if now - last_tick >= interval:
                     last_tick = now
