@@ -12,8 +12,15 @@ oneDNN's call costs a fixed ~10 us more than MKL's, which a small layer's arithm
 weight is 7x slower through it at 8 rows), so only weights of ``ONEDNN_MIN_WEIGHT`` elements or more take it. The
 choice is the layer's, never the batch's, so that a row's arithmetic does not change with the rows beside it.
 
-A row's result does not depend on the other rows of the call from two rows on (one row runs a matrix-vector
-kernel) for a model's weight, which takes the blocked copy below; ``--batch-invariant`` has its own GEMMs
+One row (a decode step of one sequence) takes ``F.linear`` whatever the weight: both libraries then run a
+matrix-vector kernel that reads the weight once, and MKL's took 0.64-0.88 of oneDNN's CPU time on SmolLM2-135M's
+layer shapes on an Intel Xeon, streamed from memory or hot in cache (``benchmarks/dense_rows.py``; figures in
+docs/benchmarks.md). From two rows on the blocked copy is kept: MKL was faster on the narrower layers at 2-4 rows
+but up to 2.3x slower on the widest (gate|up), and its rows round as one kernel from 2 to 15 rows and as another
+from 16, where the blocked copy's round alike at every count. (An AMD EPYC's one-row figures were not measured.)
+
+A row's result does not depend on the other rows of the call from two rows on (one row runs MKL's
+matrix-vector kernel) for a model's weight, which takes the blocked copy below; ``--batch-invariant`` has its own GEMMs
 (:mod:`megatron_kernels.invariant`). A plain weight does not promise it: the oneDNN of torch 2.11 on a GPU host's
 Xeon chose other kernels for 2-15 rows of it (torch 2.13 on the CPU machines did not).
 
@@ -21,8 +28,7 @@ Called with a plain weight, oneDNN reorders it into its blocked layout on every 
 ``nn.Parameter``) is reordered once instead, and the blocked copy kept beside it (the dense weights' memory twice
 over) until the weight is written: its version counter moves with every in-place write, a refit's included, so
 the next call reorders again. The blocked copy gives the plain weight's bits where oneDNN runs the same kernel for
-both (from 16 rows on every CPU measured; one row keeps the plain weight and its matrix-vector kernel); the figures
-are in docs/benchmarks.md.
+both (from 16 rows on every CPU measured); the figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,11 +45,9 @@ BLOCKED_ROWS_HINT = 64  # the rows oneDNN lays the blocked weight out for: a dec
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through oneDNN for float32 tensors on a CPU with a large enough weight."""
     if (ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.numel() >= ONEDNN_MIN_WEIGHT):
-        if x.numel() > x.shape[-1]:  # two rows or more
-            weight = _blocked(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+            and weight.numel() >= ONEDNN_MIN_WEIGHT and x.numel() > x.shape[-1]):  # two rows or more
+        return torch.ops.mkldnn._linear_pointwise(x, _blocked(weight), bias, "none", [], "")
+    return F.linear(x, weight, bias)  # one row: MKL's matrix-vector kernel (the module's docstring)
 
 
 def _blocked(weight: torch.Tensor) -> torch.Tensor:

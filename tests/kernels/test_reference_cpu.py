@@ -125,15 +125,17 @@ def test_the_dense_linear_is_onednn_and_a_row_does_not_depend_on_the_rows_beside
 def test_a_parameter_is_reordered_once_the_same_bits_and_again_after_any_write():
     """A model's weight keeps its oneDNN-blocked copy between calls, computes the bits the plain weight does, and
     a write through the loader (a slice of it, as a fused layer's part) or in place is seen at the next call. The
-    bits are compared at row counts where oneDNN runs one kernel for both layouts on every CPU measured (1 row, and
-    from 16; a GPU host's Xeon ran the plain weight otherwise at 2-15); between them a row keeps its bits."""
+    bits are compared at row counts where oneDNN runs one kernel for both layouts on every CPU measured (from 16; a
+    GPU host's Xeon ran the plain weight otherwise at 2-15); between them a row keeps its bits. One row takes MKL's
+    matrix-vector kernel (``F.linear``) on the plain weight."""
     from megatron_serve.model.tensor_source import copy_checked
 
     weight = torch.nn.Parameter(torch.randn(768, 256, generator=_gen(20)), requires_grad=False)
     plain = weight.detach().clone()
     x = torch.randn(37, 256, generator=_gen(21))
     onednn = torch.ops.mkldnn._linear_pointwise
-    for rows in (1, 16, 37):
+    assert torch.equal(dense.linear(x[:1], weight), F.linear(x[:1], plain))  # one row: MKL's matrix-vector kernel
+    for rows in (16, 37):
         assert torch.equal(dense.linear(x[:rows], weight), onednn(x[:rows], plain, None, "none", [], "")), rows
     for rows in (2, 5):
         assert torch.equal(dense.linear(x[:rows], weight), dense.linear(x, weight)[:rows]), rows
