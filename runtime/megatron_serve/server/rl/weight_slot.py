@@ -83,8 +83,10 @@ class Slot:
             doing, owner, age = op.what, op.owner, time.monotonic() - op.since
         else:
             doing, owner, age = "an update started and not finished", self.started_by or "?", self.still_for()
-        return APIError(409, f"a weight update is in progress: {doing}, for {owner}, {age:.0f} s so far, last progress "
-                             f"{self.still_for():.0f} s ago. A new trainer's init takes over once it has made no "
+        # whole seconds passed, never rounded up: "last progress 20 s ago" beside "takes over once it has made no
+        # progress for 20 s" must mean the next init takes over (rounded, 19.5 s read as 20 and the init got a 409)
+        return APIError(409, f"a weight update is in progress: {doing}, for {owner}, {int(age)} s so far, last progress "
+                             f"{int(self.still_for())} s ago. A new trainer's init takes over once it has made no "
                              f"progress for {self.stall_s:.0f} s; POST /abort_weight_update ends it now",
                         code="weight_update_in_progress", type="invalid_request_error")
 
