@@ -24,6 +24,10 @@ from ..model.test_moe import VARIANTS
 RANKS = 4
 #: The rank the loss tests kill: not rank 0, whose engine hosts the rendezvous store (its loss ends the group).
 KILLED = 2
+#: The longest pulse of :meth:`ExpertGroup.in_flight` (they double from 1 ms): a step is a collective of every rank,
+#: which must all run at once, and on two cores 1 ms pulses, each followed by the settling wait, took minutes to
+#: reach the first tokens (the resize file 685 s, a rank reported stalled meanwhile; 37 s with this).
+PULSE_S = 0.032
 PROMPTS = [f"Request {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(8)]
 
 
@@ -57,7 +61,8 @@ class ExpertGroup:
         tasks = [asyncio.create_task(client_stream(self.client, p, self.tokens, first))
                  for p, first in zip(PROMPTS, firsts)]
         pids = [engine.pid for engine in self.engines]
-        await run_in_pulses(pids, lambda: all(f.is_set() for f in firsts), "every stream's first token", timeout=300)
+        await run_in_pulses(pids, lambda: all(f.is_set() for f in firsts), "every stream's first token",
+                            longest_pulse_s=PULSE_S, timeout=300)
         if not held:
             signal_processes(pids, signal.SIGCONT)
         assert not any(task.done() for task in tasks), "the streams ended before anything happened: nothing is tested"
