@@ -22,6 +22,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from ...client.trainer_group import trainer_init, trainer_send_weights
 from ...fleet.local_fleet import free_port
+from .admin_http import admin_client, post
 from .replica import SERVER_NAME
 
 #: The address the server joins the adapter's group at: the leader worker runs on the server's node.
@@ -46,7 +47,7 @@ class ServerAdapter(BaseRollout):
         it)."""
         server = ray.get_actor(SERVER_NAME.format(self.replica_rank))
         url, admin_key = await server.get_admin.remote()
-        self.http = httpx.AsyncClient(base_url=url, timeout=None, headers={"Authorization": f"Bearer {admin_key}"})
+        self.http = admin_client(url, admin_key)
         port = free_port(LOCAL)
         init = {"master_address": LOCAL, "master_port": port, "rank_offset": 1, "world_size": 2, "packed": True}
         joined = asyncio.create_task(self._post("/init_weight_transfer_engine", {"init_info": init}))
@@ -54,10 +55,7 @@ class ServerAdapter(BaseRollout):
         await joined
 
     async def _post(self, path: str, body: dict) -> dict:
-        answer = await self.http.post(path, json=body)
-        if answer.status_code != 200:
-            raise RuntimeError(f"POST {path}: {answer.status_code} {answer.text}")
-        return answer.json()
+        return await post(self.http, path, json=body)
 
     async def update_weights(self, weights: Iterator | AsyncIterator, wire_format: str = "named_tensors",
                              **kwargs: Any) -> None:

@@ -30,6 +30,7 @@ from ...processes.lifeline import Lifeline
 from ...fleet.local_fleet import free_port
 from ...server.admin import ADMIN_KEY_ENV
 from ...server.rl.sampling_bodies import vllm_names
+from .admin_http import admin_client, post
 
 #: verl's rollout config fields that are sampling parameters of the same (vLLM's) name: a request that leaves one out
 #: takes the config's, as verl's vLLM server does.
@@ -104,8 +105,7 @@ class MegatronServeServer:
                     self._command(port, logs), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env={**os.environ, ADMIN_KEY_ENV: self.admin_key, **self.lifeline.env()},
                     pass_fds=self.lifeline.pass_fds())
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=None,
-                                      headers={"Authorization": f"Bearer {self.admin_key}"})
+        self.http = admin_client(self.url, self.admin_key)
         await self._wait_ready()
 
     async def _wait_ready(self) -> None:
@@ -133,12 +133,7 @@ class MegatronServeServer:
         return self.url, self.admin_key
 
     async def _post(self, path: str, **kwargs: Any) -> Any:
-        """The answer's JSON (``/sleep`` and ``/wake_up`` answer an empty body, as vLLM's); any status but 200 raises
-        with the server's error."""
-        answer = await self.http.post(path, **kwargs)
-        if answer.status_code != 200:
-            raise RuntimeError(f"POST {path}: {answer.status_code} {answer.text}")
-        return answer.json() if answer.content else None
+        return await post(self.http, path, **kwargs)
 
     def _sampling(self, prompt_len: int, given: Mapping[str, Any]) -> dict[str, Any]:
         """verl's sampling parameters as ``/inference/v1/generate`` takes them (SGLang's names turned into vLLM's, by
