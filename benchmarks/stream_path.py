@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import functools
 import itertools
 import json
+import pstats
 import random
 import statistics
 import time
@@ -179,9 +181,8 @@ class CountingTransport:
 
     def _reporting(self, data: bytes) -> None:
         self.chunks.append(data)
-        started = time.thread_time()
-        self.progress.poke(self)
-        self.bench.driver += time.thread_time() - started
+        with self.bench:
+            self.progress.poke(self)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", self.port), "sockname": ("127.0.0.1", 8000)}.get(name, default)
@@ -256,6 +257,8 @@ class Bench:
         self._by_prompt: dict[tuple[int, int], Stream] = {}
         self.progress = Progress()
         self._evictor = Evictor(cold)
+        self.profiler: cProfile.Profile | None = None  # --calls: the server's calls, the benchmark's own left out
+        self._own_started = 0.0
 
     async def start(self) -> None:
 
@@ -325,12 +328,22 @@ class Bench:
         self.connections.append(stream)
         return stream
 
+    def __enter__(self) -> None:
+        """The benchmark's own work begins: timed apart (``driver``), and left out of ``--calls``' profile."""
+        if self.profiler is not None:
+            self.profiler.disable()
+        self._own_started = time.thread_time()
+
+    def __exit__(self, *_: Any) -> None:
+        self.driver += time.thread_time() - self._own_started
+        if self.profiler is not None:
+            self.profiler.enable()
+
     def evict(self) -> None:
         """Fill the caches with other data, as other processes do between two turns of the server's loop (the time
         it takes is the benchmark's own)."""
-        started = time.thread_time()
-        self._evictor()
-        self.driver += time.thread_time() - started
+        with self:
+            self._evictor()
 
     def request(self, stream: Stream, length: int) -> bytes:
         """A streamed completion of ``length`` tokens as aiohttp sends it (``serving.py``'s body); the stream's
@@ -356,11 +369,10 @@ class Bench:
     def submitted(self) -> None:
         """Read the SUBMITs sent since the last look: each one's prompt names its stream."""
 
-        started = time.thread_time()
-        for header, body in self._sent():
-            if header == Header.SUBMIT:
-                self._by_prompt.pop(tuple(body["prompt"][:2])).request_id = body["client_request_id"]
-        self.driver += time.thread_time() - started
+        with self:
+            for header, body in self._sent():
+                if header == Header.SUBMIT:
+                    self._by_prompt.pop(tuple(body["prompt"][:2])).request_id = body["client_request_id"]
 
     def _delta(self, token: int) -> msgspec.Raw:
         raw = self._delta_bytes.get(token)
@@ -374,19 +386,19 @@ class Bench:
         """The frame of one engine step: a token for each of ``streams``, and the RESULT of each that ends with it
         (one BATCH, as the coordinator sends a step's messages to a client); the streams that end."""
 
-        started = time.thread_time()
-        ids, deltas, ending = [], [], []
-        for stream in streams:
-            ids.append(stream.request_id)
-            deltas.append(self._delta(stream.tokens[stream.sent]))
-            stream.sent += 1
-            if stream.sent == len(stream.tokens):
-                ending.append(stream)
-        frame = encode(Header.STEP_TOKENS, StepTokensOut(client_request_ids=ids, deltas=deltas))
-        if ending:
-            frame = encode_batch([frame, *(encode(Header.RESULT, {"client_request_id": stream.request_id,
-                                                                  "request": self._record()}) for stream in ending)])
-        self.driver += time.thread_time() - started
+        with self:
+            ids, deltas, ending = [], [], []
+            for stream in streams:
+                ids.append(stream.request_id)
+                deltas.append(self._delta(stream.tokens[stream.sent]))
+                stream.sent += 1
+                if stream.sent == len(stream.tokens):
+                    ending.append(stream)
+            frame = encode(Header.STEP_TOKENS, StepTokensOut(client_request_ids=ids, deltas=deltas))
+            if ending:
+                frame = encode_batch([frame, *(encode(Header.RESULT, {"client_request_id": stream.request_id,
+                                                                      "request": self._record()})
+                                               for stream in ending)])
         return frame, ending
 
     def _record(self) -> msgspec.Raw:
@@ -409,9 +421,8 @@ class Bench:
         """Each stream's next request sent, until its SUBMIT went to the coordinator."""
         client = self.client
         target = client.num_pending + len(streams)
-        started = time.thread_time()
-        requests = [self.request(stream, length) for stream, length in zip(streams, lengths)]
-        self.driver += time.thread_time() - started
+        with self:
+            requests = [self.request(stream, length) for stream, length in zip(streams, lengths)]
         self.evict()
         for stream, request in zip(streams, requests):
             stream.protocol.data_received(request)
@@ -515,6 +526,26 @@ async def measure_mix(bench: Bench, requests: int) -> tuple[float, list[Stream]]
     return spent / tokens * 1e6, streams
 
 
+async def count_calls(bench: Bench, requests: int, top: int) -> None:
+    """Print the Python calls of one request of :func:`measure_request` (cProfile; the benchmark's own work left out)
+    and the ``top`` functions by calls: a change that takes work out of a request shows here without the machine's
+    noise."""
+    profiler = bench.profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        await measure_request(bench, requests)
+    finally:
+        profiler.disable()
+        bench.profiler = None
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined] - {function: (prim, calls, tt, ct, callers)}
+    own = {function: numbers for function, numbers in stats.items()
+           if not function[0].endswith("stream_path.py") and "_lsprof" not in function[2]}
+    calls = sum(numbers[1] for numbers in own.values())
+    print(f"Python calls per request (intake to the body's end, {requests} requests): {calls / requests:.1f}")
+    for (path, line, name), numbers in sorted(own.items(), key=lambda item: -item[1][1])[:top]:
+        print(f"  {numbers[1] / requests:6.2f}  {name} ({Path(path).name}:{line})")
+
+
 def answers(data: bytes) -> list[list[dict[str, Any]]]:
     """The chunks of each streamed answer on one connection (HTTP/1.1 responses with chunked bodies of events)."""
     out = []
@@ -560,6 +591,9 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     await bench.start()
     try:
         await measure_mix(bench, min(args.requests, 2 * args.streams))  # warm-up: every path taken once
+        if args.calls:
+            await count_calls(bench, args.single_requests, args.calls)
+            return {}
         results: dict[str, list[float]] = {"token": [], "intake": [], "end": [], "mix": []}
         for _ in range(args.repeats):
             results["token"].append(await measure_token(bench, args.steps))
@@ -588,8 +622,12 @@ def main() -> None:
     parser.add_argument("--hot", action="store_true", help="keep the caches between steps (see Evictor)")
     parser.add_argument("--check", action="store_true", help="check every stream's text (slower: bytes kept)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--calls", type=int, metavar="TOP", default=0,
+                        help="only count a request's Python calls, and print the TOP functions by calls")
     args = parser.parse_args()
     runs = uvloop.run(run(args))
+    if args.calls:
+        return
     if args.json:
         print(json.dumps({name: statistics.median(values) for name, values in runs.items()}))
         return

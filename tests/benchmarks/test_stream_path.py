@@ -73,3 +73,13 @@ def test_the_evictor_fills_twice_the_last_level(monkeypatch):
     evictor()
     assert len(evictor._target) == 8192 and evictor._target == evictor._source
     assert len(module.Evictor(False)._source) == 0  # --hot: nothing copied
+
+
+def test_calls_counts_a_requests_python_calls_without_the_benchmarks_own(tmp_path):
+    result = run_script("stream_path.py", "--streams", "2", "--requests", "4", "--single-requests", "3", "--hot",
+                        "--calls", "5", timeout=300, env={"TMPDIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    head, *top = result.stdout.strip().splitlines()
+    assert head.startswith("Python calls per request (intake to the body's end, 3 requests): ")
+    assert float(head.rsplit(" ", 1)[1]) > 100  # a request runs hundreds of calls through the real server
+    assert len(top) == 5 and not any("stream_path.py" in line for line in top)

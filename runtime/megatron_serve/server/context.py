@@ -18,6 +18,7 @@ from .generation import PendingCounter, Submission
 from .intake import Workers, check_choices, kept_ids_meter
 from .live import LiveSubmissions
 from .metrics import ServerMetrics
+from .params_memo import ParamsMemo
 from .request_log import RequestLog
 from .tenant_admission import Tenancy
 from .translate import EngineJob
@@ -38,6 +39,8 @@ class ServerContext:
     default_max_model_len: int | None = None  # from config.json, until engines report theirs
     tool_parser: str | None = None  # tool-call format read from outputs with tool_choice "auto"
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
+    #: The requests' sampling parameters by their values, validated once per distinct set (:mod:`.params_memo`).
+    sampling_memo: ParamsMemo = field(default_factory=ParamsMemo)
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: Stopping = field(default_factory=Stopping)

@@ -44,7 +44,7 @@ class GenerationHandler:
         def params_for(prompt: Prompt, choice: int) -> SamplingParams:
             return sampling_params(self.req, max_tokens=max_tokens(prompt), logprobs=self.want_logprobs,
                                    top_logprobs=top_n, choice=choice, defaults=self.ctx.generation_defaults,
-                                   extra=extra)
+                                   extra=extra, memo=self.ctx.sampling_memo)
 
         self.jobs = make_jobs(prompts, self.n, params_for)
         self.cost = check_budget(self.jobs, self.ctx.limits, returns_prompt=returns_prompt)

@@ -26,6 +26,7 @@ from ..wire.sampling_params import SamplingParamError, SamplingParams, Structure
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request, unsupported
+from .params_memo import ParamsMemo
 from .vllm_fields import RESERVED_TEMPLATE_KWARGS
 from .models import (
     ChatCompletionRequest,
@@ -397,24 +398,26 @@ def controls(req: _SamplingRequest, vocab_size: int | None, constraint: Structur
 
 def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int,
                     choice: int, defaults: GenerationDefaults,
-                    extra: dict[str, object] | None = None) -> SamplingParams:
+                    extra: dict[str, object] | None = None, memo: ParamsMemo | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice number ``choice`` (its ``sample_index``: one seed, a stream per choice).
 
     The fields the table marks copied (``wire/sampling_fields.py``: temperature, top_k, min_p, the penalties,
     seed, ...) are the request's own, as the table converts them; one the request leaves out takes the model's
     default (``defaults``, from its ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
-    ``extra``: the token-id fields and output constraint (see ``controls``).
+    ``extra``: the token-id fields and output constraint (see ``controls``). ``memo``: parameters built before
+    for the same values, copied instead of validated again (:class:`~.params_memo.ParamsMemo`).
     """
+    fields = {
+        **copied_from_http(req),
+        "num_tokens_to_generate": max_tokens,
+        "stop_words": stop_list(req.stop),
+        "return_log_probs": logprobs,
+        "top_n_logprobs": top_logprobs,
+        "sample_index": choice,
+        **(extra or {}),
+    }
     try:
-        return defaults.sampling_params(
-            **copied_from_http(req),
-            num_tokens_to_generate=max_tokens,
-            stop_words=stop_list(req.stop),
-            return_log_probs=logprobs,
-            top_n_logprobs=top_logprobs,
-            sample_index=choice,
-            **(extra or {}),
-        )
+        return defaults.sampling_params(**fields) if memo is None else memo.sampling_params(defaults, fields)
     except SamplingParamError as exc:  # SamplingParams names its own field; name OpenAI's instead
         param = _PARAM_NAMES.get(exc.field, exc.field)
         raise bad_request(exc.naming(param), param=param) from None
