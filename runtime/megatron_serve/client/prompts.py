@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict, Union
 
+import msgspec
+
 from ..tokenizer import Tokenizer
 from ..multimodal import PromptImage, image_bytes
 
@@ -135,6 +137,15 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer) -> tuple[list[int], li
     return tokens, images, text if isinstance(text, str) else None
 
 
+def _ids(prompt: Any) -> list[int]:
+    """A copy of token ids as plain ints: checked in C where every id is one (128 ids 0.9 us against int() called on
+    each, 5.2, most of a request's prompt_for_fleet), else each turned into one (NumPy's, floats: as before)."""
+    try:
+        return msgspec.convert(prompt, list[int])
+    except msgspec.ValidationError:
+        return list(map(int, prompt))
+
+
 def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage], tokenizer: Tokenizer
                      ) -> tuple[list[int], list[PromptImage]]:
     """What a SUBMIT carries for ``prompt``: token ids, with ``images`` placed in them.
@@ -149,7 +160,7 @@ def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage],
     if tokenizer is None and (isinstance(prompt, str) or (images and not all(placed))):
         raise ValueError("no tokenizer in this process to tokenize a text prompt or place images (the coordinator "
                          "loads none): pass tokenizer= to InferenceClient, or send token ids with placed images")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else _ids(prompt)
     if not tokens:
         raise ValueError("prompt is empty")
     if not images or all(placed):
