@@ -3,8 +3,8 @@ passes first, and the whole (not streamed) answer, which :mod:`.whole_answers` s
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any, Callable
 
 from ..limits import Cost
@@ -28,7 +28,9 @@ class GenerationHandler:
     def __init__(self, ctx: ServerContext, req: Any) -> None:
         self.ctx = ctx
         self.req = req
-        self.id = f"{self.id_prefix}-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
+        # vLLM: the client's request_id names it; else 32 random hex digits as a uuid4's, without the UUID object
+        # (1.8 -> 0.4 us): unguessable, since the control routes abort a request by the id its client saw
+        self.id = f"{self.id_prefix}-{req.request_id or os.urandom(16).hex()}"
         self.created = int(time.time())
         self.n = req.n or 1
         if req.model is None:  # vLLM's field is optional: the base model then (AReaL's vLLM client sends none)
