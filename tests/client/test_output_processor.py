@@ -206,3 +206,13 @@ def test_the_stop_token_is_in_the_ids_and_its_log_probs_not_in_the_text(tokenize
         assert len(final.generated_log_probs) == len(final.generated_token_texts) == len(tokens)
         assert "".join(final.generated_token_texts) == final.generated_text
         assert (final.generated_token_texts[-1] == "") is (flagged and not include)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["prompt-only", "prompt-tokens-given"])
+def test_the_finished_requests_prompt_is_its_own_list(tokenizer, given):
+    prompt = list(PROMPT)
+    collector = OutputCollector("r", prompt, SamplingParams(), tokenizer, prompt_tokens=prompt if given else None)
+    final = collector.finish(FinalRecord(request_id="r", status=RequestStatus.COMPLETED))
+    assert final.prompt_tokens == PROMPT and final.prompt_tokens is not prompt
+    text = OutputCollector("t", "hi", SamplingParams(), tokenizer, prompt_tokens=[7, 8])
+    assert text.finish(FinalRecord(request_id="t", status=RequestStatus.COMPLETED)).prompt_tokens == [7, 8]

@@ -85,11 +85,13 @@ class OutputCollector:
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  tokenizer: "Tokenizer | None", prompt_tokens: list[int] | None = None) -> None:
-        """``prompt``: as the caller gave it; ``prompt_tokens``: a text prompt's ids when this process made them."""
+        """``prompt``: as the caller gave it; ``prompt_tokens``: its ids when this process made them (kept as they
+        are: a client hands over the copy it made for the SUBMIT, not copied again per request)."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.prompt_tokens: list[int] | None = prompt_tokens if isinstance(prompt, str) else list(prompt)
+        self.prompt_tokens: list[int] | None = (prompt_tokens if prompt_tokens is not None or isinstance(prompt, str)
+                                                else list(prompt))
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.stop_words, skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output, token_texts=params.return_log_probs)
