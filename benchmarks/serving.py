@@ -22,8 +22,10 @@ uses ``--threads`` threads for torch and BLAS (``OMP_NUM_THREADS`` and its kin, 
 the offline baseline swung from 141 to 1,978 tok/s between repeats on a shared 2-core machine, ratios
 2.4 to 20.5), and where the machine has a core per engine and one left (``sched_setaffinity``, Linux),
 each served engine runs on a core of its own, the offline engine on engine 0's core, and the HTTP
-server(s) and coordinator on the remaining cores. ``--run-args "--api-server-count 2"`` runs two HTTP
-processes; their CPU time counts as the server's.
+server(s) and coordinator on the remaining cores. ``--pin-coordinator`` gives the coordinator the last core alone
+and runs everything else, this client included, on the others (on 2 cores: all of it on core 0), as a deployment
+would: sharing a core with the server and the client, its CPU per token read 13-47 run to run.
+``--run-args "--api-server-count 2"`` runs two HTTP processes; their CPU time counts as the server's.
 
 Server-sent events are parsed as the specification says (lines end at CR, LF or CRLF only; an empty
 line ends an event; ``data:`` lines join with newlines), so text holding U+2028 or other Unicode line
@@ -319,7 +321,7 @@ def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, o
     tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
     served = sum(s.tokens for s in samples) / elapsed
     rate, offline_cpu = offline or (None, None)
-    cpu = "-" if cost is None else f"{cost.server:.0f} / {cost.coordinator:.0f} / {cost.engines:.0f}"
+    cpu = "-" if cost is None else f"{cost.server:.1f} / {cost.coordinator:.1f} / {cost.engines:.1f}"
     return [lengths, str(concurrency), str(len(samples)), f"{len(samples) / elapsed:.2f}", f"{served:.1f}",
             f"{rate:.1f}" if rate else "-", f"{served / rate:.2f}" if rate else "-", f"{percentile(ttft, 50):.1f}",
             f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.2f}", f"{percentile(tpot, 99):.2f}",
@@ -363,6 +365,9 @@ def main() -> None:
                                                               "OMP_NUM_THREADS and its kin; default 1)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin engines, servers and coordinator to cores of their own")
+    parser.add_argument("--pin-coordinator", action="store_true",
+                        help="the coordinator alone on the last core, everything else (this client included) on the "
+                             "others: its CPU per token without the server's and client's memory in its caches")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -380,7 +385,7 @@ def main() -> None:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     for name in THREAD_VARIABLES:  # before torch loads here, and inherited by the started stack
         os.environ[name] = str(args.threads)
-    pinning = Pinning.plan(args.engines, args.pin and args.url is None)
+    pinning = Pinning.plan(args.engines, args.pin and args.url is None, args.pin_coordinator)
     setting = (f"setting: {args.threads} thread(s) per process ({', '.join(THREAD_VARIABLES)}={args.threads}); "
                f"{pinning.describe()}")
     print(setting, file=sys.stderr, flush=True)

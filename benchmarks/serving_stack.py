@@ -139,12 +139,22 @@ class Pinning:
     """Which cores each kind of process runs on (None: not pinned)."""
 
     engines: list[int] | None
-    front: list[int] | None  # HTTP server(s) and coordinator
-    cores: list[int] | None  # all of them: the benchmark's client
+    front: list[int] | None  # HTTP server(s), and the coordinator unless it has a core of its own
+    cores: list[int] | None  # the benchmark's client: every core, or all but the coordinator's
+    coordinator: list[int] | None = None  # a core of its own (``--pin-coordinator``); None: on ``front``
 
     @classmethod
-    def plan(cls, engines: int, pin: bool) -> "Pinning":
+    def plan(cls, engines: int, pin: bool, own_coordinator: bool = False) -> "Pinning":
+        """``own_coordinator`` gives the coordinator the last core alone, as a deployment would: on a core shared
+        with the HTTP server and the benchmark's client every wake-up of it runs with their memory in the caches, and
+        its CPU per token read 13-47 run to run. The others keep the layout below on the remaining cores, or share
+        them all when there are too few (on 2 cores: the coordinator on core 1, everything else on core 0)."""
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if own_coordinator and pin and len(cores) >= 2:
+            rest = cores[:-1]
+            if len(rest) < engines + 1:
+                return cls(rest, rest, rest, cores[-1:])
+            return cls(rest[-engines:], rest[:-engines], rest, cores[-1:])
         if not pin or len(cores) < engines + 1:
             return cls(None, None, None)
         return cls(cores[-engines:], cores[:-engines], cores)
@@ -152,6 +162,10 @@ class Pinning:
     def describe(self) -> str:
         if self.engines is None:
             return "not pinned to cores (--no-pin, or fewer cores than engines + 1)"
+        if self.coordinator is not None:
+            return (f"coordinator alone on core {self.coordinator[0]}; served engines on cores {self.engines}, the "
+                    f"offline engine on core {self.engines[0]}, HTTP server(s) on cores {self.front}, this client on "
+                    f"cores {self.cores}")
         return (f"served engines on cores {self.engines} (one each), the offline engine on core {self.engines[0]}, "
                 f"HTTP server(s) and coordinator on cores {self.front}")
 
@@ -175,5 +189,7 @@ def pin_stack(run_pid: int, pinning: Pinning) -> None:
         if role == "engines":
             pin_process(pid, [pinning.engines[engine % len(pinning.engines)]])
             engine += 1
+        elif role == "coordinator" and pinning.coordinator is not None:
+            pin_process(pid, pinning.coordinator)
         else:
             pin_process(pid, pinning.front)
