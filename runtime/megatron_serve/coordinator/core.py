@@ -143,15 +143,11 @@ class CoordinatorCore:
         return self._settle(now)
 
     def quiet(self) -> bool:
-        """Nothing under way that the clock decides soon: no request waiting in the queue (a tenant's band improves as
-        it waits, and a dispatch pass reads the clock), no verb (its step's deadline, a drain's), no dropped frames
-        waiting to be logged. The loop ticks less often then (:func:`~.loop.quiet_tick`): the deadlines left
-        (heartbeats, stalls, absent clients) are seconds long, and the quiet period is a twentieth of the shortest.
-        Requests on engines, or finished and not yet acknowledged, leave the fleet quiet: a tick reads them only
-        through the stall clock, whose deadline the period follows, and their frames are handled as they come. So a
-        serving fleet whose engines have room is ticked a few times a second, not 20: under load each tick cost about
-        as much as a pass of the loop (issue 84, docs/benchmarks.md)."""
-        return not self.flow.table.count(Phase.QUEUED) and not self.verbs.queue and not self.drop.suppressed
+        """Nothing under way that the clock decides soon: no request in the table (queued, on an engine, or finished
+        and not yet acknowledged: a tenant's band improves as it waits, a stalled engine's requests move), no verb (its
+        step's deadline, a drain's), no dropped frames waiting to be logged. The loop ticks less often then
+        (:func:`~.loop.quiet_tick`); the deadlines left (heartbeats, stalls, absent clients) are seconds long."""
+        return not self.flow.table and not self.verbs.queue and not self.drop.suppressed
 
     def _settle(self, now: float) -> list[Effect]:
         """Run what the input left to do (advance the lifecycle, dispatch), then hand over the effects."""
