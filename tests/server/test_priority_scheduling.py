@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import httpx
 import pytest
 
-from tests.helpers import wait_until
+from megatron_serve.client.coordinator_client import InferenceClient
+from tests.helpers import run_in_pulses, signal_processes, until, wait_until
 from tests.run_stack import start_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -39,6 +41,12 @@ async def complete(http: httpx.AsyncClient, model: str, prompt: str, tokens: int
     return text, time.monotonic()
 
 
+async def arrived(control: InferenceClient, count: int) -> bool:
+    """Whether the coordinator holds ``count`` requests, queued or on an engine."""
+    status = await control.status()
+    return status["queued"] + status["in_flight"] >= count
+
+
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
 def test_a_priority_zero_request_preempts_priority_ten_streams_and_every_text_is_the_alone_runs(tiny_llama,
                                                                                               tmp_path, policy):
@@ -52,8 +60,17 @@ def test_a_priority_zero_request_preempts_priority_ten_streams_and_every_text_is
                 firsts = [asyncio.Event(), asyncio.Event()]
                 held = [asyncio.ensure_future(complete(http, stack.model, prompt, LONG, 10, first))
                         for prompt, first in zip(HELD, firsts)]
-                await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), 120)  # both slots held
-                urgent_text, urgent_end = await complete(http, stack.model, URGENT, SHORT, 0)
+                # Both slots held, and the engine stopped until the urgent request is at the fleet: on a loaded host
+                # (CI run 33) the held streams ran to their end before it arrived, and nothing was preempted.
+                engines = stack.children()["engine"]
+                await run_in_pulses(engines, lambda: all(first.is_set() for first in firsts), "both first tokens")
+                try:
+                    urgent = asyncio.ensure_future(complete(http, stack.model, URGENT, SHORT, 0))
+                    async with InferenceClient(stack.coordinator(), stack.secret(), role="control") as control:
+                        await until(lambda: arrived(control, 3), 120, "the urgent request at the coordinator")
+                finally:
+                    signal_processes(engines, signal.SIGCONT)
+                urgent_text, urgent_end = await urgent
                 (one, one_end), (two, two_end) = await asyncio.gather(*held)
                 assert [one, two, urgent_text] == alone  # the preempted stream resumed intact
                 # Which answer the client read first is printed, not asserted: on a loaded host one pass of its loop
